@@ -1,0 +1,193 @@
+"""YAML recipes with `defaults:` inheritance, dotted command-line overrides and strict keys.
+
+A recipe names the files it inherits under `defaults:` (paths relative to the recipe), and holds only its
+differences. Overrides are `section.key=value` with YAML values. An unknown key anywhere is an error that
+names the key, where it came from, and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from dapo_mcore.config.schema import RunConfig
+from dapo_mcore.utils.errors import ConfigError
+
+_DEFAULTS_KEY = "defaults"
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Resolve a recipe (with its defaults chain) and overrides into a checked RunConfig."""
+    merged: dict[str, Any] = {}
+    if path is not None:
+        merged = _load_recipe(Path(path), chain=())
+    for override in overrides:
+        key, value = parse_override(override)
+        _check_keys(_nest(key, value), RunConfig, source=f"override '{override}'")
+        merged = _deep_merge(merged, _nest(key, value))
+    return _build(RunConfig, merged, prefix="")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'algorithm.clip_high=0.3' -> ('algorithm.clip_high', 0.3); values are parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override '{text}' is not of the form section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{text}': the value is not valid YAML ({err})") from None
+    return key.strip(), value
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config; loading that file again gives the same config."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def all_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema, e.g. 'algorithm.overlong.buffer_len'."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        ftype = _field_types(cls)[f.name]
+        if dataclasses.is_dataclass(ftype):
+            keys += all_keys(ftype, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _load_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"recipe defaults form a cycle: {cycle}")
+    if not path.is_file():
+        where = f" (named in defaults of {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file not found: {path}{where}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    parents = raw.pop(_DEFAULTS_KEY, None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    _check_keys(raw, RunConfig, source=str(path))
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = _deep_merge(merged, _load_recipe(path.parent / parent, (*chain, path)))
+    return _deep_merge(merged, raw)
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    node = out
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_keys(raw: dict[str, Any], cls: type, source: str, prefix: str = "") -> None:
+    types_ = _field_types(cls)
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in types_:
+            raise ConfigError(f"unknown config key '{dotted}' in {source}{_suggest(dotted)}")
+        if dataclasses.is_dataclass(types_[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"'{dotted}' in {source} is a section; give it keys ({', '.join(_field_types(types_[key]))})"
+                )
+            _check_keys(value, types_[key], source, prefix=f"{dotted}.")
+
+
+def _suggest(dotted: str) -> str:
+    candidates = all_keys() + [f.name for f in dataclasses.fields(RunConfig)]
+    close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.6)
+    if not close:  # a right leaf under the wrong section: 'rollout.clip_high' -> 'algorithm.clip_high'
+        leaf = dotted.rsplit(".", 1)[-1]
+        close = [k for k in candidates if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    kwargs = {}
+    for name, ftype in _field_types(cls).items():
+        if name not in raw:
+            continue
+        dotted = f"{prefix}{name}"
+        if dataclasses.is_dataclass(ftype):
+            kwargs[name] = _build(ftype, raw[name], f"{dotted}.")
+        else:
+            kwargs[name] = _coerce(raw[name], ftype, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
+    """Check (and widen int->float) one leaf value against its annotated type."""
+    origin = typing.get_origin(ftype)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(ftype)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return _coerce(value, inner, dotted)
+    if origin is Literal:
+        choices = typing.get_args(ftype)
+        if value not in choices:
+            raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}")
+        return value
+    if ftype is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"'{dotted}' must be true or false, got {value!r}")
+        return value
+    if ftype is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"'{dotted}' must be an integer, got {value!r}")
+        return value
+    if ftype is float:
+        # PyYAML (YAML 1.1) reads 1e-6 as a string
+        number = _float_or_none(value) if isinstance(value, str) else value
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ConfigError(f"'{dotted}' must be a number, got {value!r}")
+        return float(number)
+    if ftype is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"'{dotted}' must be a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"'{dotted}': unsupported config type {ftype}")
+
+
+def _float_or_none(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None

@@ -1,0 +1,83 @@
+"""Cross-field checks of a resolved config that need no process group or model (those live in parallel/
+and mcore/). Each failure names the keys involved and their values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dapo_mcore.config.schema import RunConfig
+from dapo_mcore.utils.errors import ConfigError
+
+
+def validate(cfg: RunConfig) -> None:
+    for check in (_check_model, _check_algorithm, _check_rollout, _check_batches, _check_data):
+        check(cfg)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_model(cfg: RunConfig) -> None:
+    _require(bool(cfg.model.hf_path), "model.hf_path is empty: name a Hugging Face model directory")
+    config_json = Path(cfg.model.hf_path) / "config.json"
+    _require(config_json.is_file(), f"model.hf_path: no config.json at {config_json}")
+
+
+def _check_algorithm(cfg: RunConfig) -> None:
+    algo = cfg.algorithm
+    _require(0.0 <= algo.clip_low < 1.0, f"algorithm.clip_low must be in [0, 1), got {algo.clip_low}")
+    _require(algo.clip_high >= 0.0, f"algorithm.clip_high must be >= 0, got {algo.clip_high}")
+    _require(algo.adv_eps > 0.0, f"algorithm.adv_eps must be > 0, got {algo.adv_eps}")
+    _require(algo.reward_correct > algo.reward_wrong, "algorithm.reward_correct must exceed reward_wrong")
+    over = algo.overlong
+    max_len = cfg.rollout.sampling.max_response_len
+    if over.enabled:
+        _require(
+            0 < over.buffer_len < max_len,
+            f"algorithm.overlong.buffer_len={over.buffer_len} must be in (0, rollout.sampling."
+            f"max_response_len={max_len})",
+        )
+    ds = algo.dynamic_sampling
+    _require(ds.max_rounds >= 1, f"algorithm.dynamic_sampling.max_rounds must be >= 1, got {ds.max_rounds}")
+
+
+def _check_rollout(cfg: RunConfig) -> None:
+    ro = cfg.rollout
+    _require(ro.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        _require(
+            ro.n_samples_per_prompt >= 2,
+            "rollout.n_samples_per_prompt=1 with dynamic sampling: every group would be dropped "
+            "(a group of one has no reward spread); use >= 2 or algorithm.dynamic_sampling.enabled=false",
+        )
+    _require(ro.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    _require(ro.gen_prompts_per_round >= 1, "rollout.gen_prompts_per_round must be >= 1")
+    _require(ro.sampling.temperature > 0, "rollout.sampling.temperature must be > 0")
+    _require(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p must be in (0, 1]")
+    _require(ro.sampling.max_response_len >= 1, "rollout.sampling.max_response_len must be >= 1")
+
+
+def _check_batches(cfg: RunConfig) -> None:
+    tr = cfg.trainer
+    _require(tr.steps >= 1, f"trainer.steps must be >= 1, got {tr.steps}")
+    _require(tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1")
+    _require(
+        tr.mini_batch_size >= tr.micro_batch_size,
+        f"trainer.mini_batch_size={tr.mini_batch_size} is smaller than trainer.micro_batch_size={tr.micro_batch_size}",
+    )
+    _require(cfg.optimizer.lr > 0, "optimizer.lr must be > 0")
+    _require(cfg.optimizer.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    data = cfg.data
+    if data.source == "arithmetic":
+        _require(data.min_operand <= data.max_operand, "data.min_operand must be <= data.max_operand")
+        bad = set(data.ops) - set("+-*")
+        _require(bool(data.ops) and not bad, f"data.ops must be made of '+', '-', '*', got {data.ops!r}")
+        return
+    path = Path(data.source)
+    _require(path.suffix == ".jsonl", f"data.source must be 'arithmetic' or a .jsonl file, got {data.source}")
+    _require(path.is_file(), f"data.source: file not found: {path}")

@@ -1,0 +1,1 @@
+"""Leaf helpers: errors, logging, timers, seeding. Imports nothing else of dapo_mcore."""

@@ -1,0 +1,69 @@
+"""Per-step metrics: one JSON object per line in metrics.jsonl, mirrored to wandb (offline by default)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class MetricsWriter:
+    def __init__(
+        self,
+        run_dir: Path,
+        wandb_mode: str = "disabled",
+        project: str = "",
+        run_name: str = "",
+        config: dict[str, Any] | None = None,
+        run_id: str | None = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._wandb_run = None
+        if wandb_mode != "disabled":
+            self._wandb_run = _start_wandb(Path(run_dir), wandb_mode, project, run_name, config, run_id)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return None if self._wandb_run is None else self._wandb_run.id
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._wandb_run is not None:
+            self._wandb_run.log(row, step=step)
+
+    def close(self) -> None:
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with Path(path).open() as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _plain(value: Any) -> Any:
+    value = float(value) if not isinstance(value, (int, str)) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _start_wandb(run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any] | None, run_id: str | None):
+    import wandb  # lazy: importing wandb costs seconds
+
+    return wandb.init(
+        project=project,
+        name=name,
+        dir=str(run_dir),
+        mode=mode,
+        config=config,
+        id=run_id,
+        resume="allow" if run_id else None,
+        settings=wandb.Settings(silent=True, console="off"),
+    )

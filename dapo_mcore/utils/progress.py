@@ -1,0 +1,78 @@
+"""What a person watching a run sees: a bar over RL steps (rank 0) and one summary line per step."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+_SUMMARY = (
+    ("rollout/accuracy", "acc", "{:.3f}"),
+    ("rollout/response_len_mean", "len", "{:.1f}"),
+    ("dynamic_sampling/kept_groups", "kept", "{:.0f}"),
+    ("dynamic_sampling/rounds", "rounds", "{:.0f}"),
+    ("loss/policy", "loss", "{:+.4f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("actor/grad_norm", "gnorm", "{:.3f}"),
+    ("time/step_s", "s", "{:.1f}"),
+)
+
+
+def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in _SUMMARY if key in metrics]
+    return f"step {step + 1}/{total} | " + " | ".join(parts)
+
+
+class RunProgress:
+    """A live bar when enabled (rank 0 with logging.progress), the per-step line always on rank 0's log."""
+
+    def __init__(self, enabled: bool, total_steps: int):
+        self.total_steps = total_steps
+        self._rounds = 0
+        self._progress = None
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]DAPO[/bold] {task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self._task = self._progress.add_task("step 1: generating", total=total_steps)
+
+    def __enter__(self) -> RunProgress:
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def round_done(self) -> None:
+        self._rounds += 1
+        if self._progress is not None:
+            step = int(self._progress.tasks[0].completed) + 1
+            self._progress.update(
+                self._task, description=f"step {step}: generation round {self._rounds} done, training"
+            )
+
+    def step_done(self, step: int, metrics: dict[str, float]) -> None:
+        self._rounds = 0
+        line = summary_line(step, self.total_steps, metrics)
+        if self._progress is None:
+            log.info(line)
+            return
+        self._progress.console.print(line, highlight=False, soft_wrap=True)
+        self._progress.update(self._task, advance=1, description=f"step {step + 2}: generating")
