@@ -1,0 +1,1 @@
+"""Prompts (generated or from files), the shipped tokenizer, rollout sample types, micro-batch packing."""

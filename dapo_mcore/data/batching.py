@@ -1,0 +1,81 @@
+"""Samples -> padded micro-batch tensors for the actor, and the split of a mini-batch over DP ranks.
+
+Token layout of one row: prompt tokens, then response tokens, then padding. Position t predicts token
+t + 1, so the response token j (0-based) is scored at position len(prompt) - 1 + j; every per-token array
+below ([b, s], "label-aligned") uses that position. Legend: b rows, s sequence positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dapo_mcore.data.types import Sample
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # [b, s] long
+    position_ids: torch.Tensor  # [b, s] long
+    labels: torch.Tensor  # [b, s] long, tokens shifted left by one
+    loss_mask: torch.Tensor  # [b, s] float, 1 where a trainable response token is predicted
+    response_mask: torch.Tensor  # [b, s] float, 1 at every response position (trainable or not)
+    advantages: torch.Tensor  # [b, s] float, A_i broadcast over the response
+    old_logprobs: torch.Tensor  # [b, s] float, 0 where unknown
+    rollout_logprobs: torch.Tensor  # [b, s] float
+    # Index of each row in the caller's sample list; -1 for a padding row (no loss).
+    sample_index: list[int]
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def padded_length(samples: list[Sample], multiple: int = 8) -> int:
+    """One sequence length for a whole mini-batch, so pipeline stages exchange same-shape tensors."""
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    return -(-longest // multiple) * multiple
+
+
+def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len: int, pad_id: int) -> MicroBatch:
+    """Rows for the given samples; a None sample is a padding row that contributes no loss."""
+    b = len(samples)
+    tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    per_token = {
+        k: torch.zeros(b, seq_len)
+        for k in ("loss_mask", "response_mask", "advantages", "old_logprobs", "rollout_logprobs")
+    }
+    for row, sample in enumerate(samples):
+        if sample is None:
+            continue
+        ids = sample.prompt_ids + sample.response_ids
+        if len(ids) > seq_len:
+            raise ValueError(f"sample of {len(ids)} tokens does not fit seq_len={seq_len}")
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        span = slice(len(sample.prompt_ids) - 1, len(ids) - 1)
+        n_resp = len(sample.response_ids)
+        per_token["response_mask"][row, span] = 1.0
+        per_token["loss_mask"][row, span] = float(sample.trainable)
+        per_token["advantages"][row, span] = sample.advantage
+        per_token["rollout_logprobs"][row, span] = torch.tensor(sample.rollout_logprobs[:n_resp])
+        if sample.old_logprobs is not None:
+            per_token["old_logprobs"][row, span] = torch.tensor(sample.old_logprobs)
+    labels = torch.roll(tokens, shifts=-1, dims=1)
+    labels[:, -1] = pad_id
+    position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
+    return MicroBatch(tokens=tokens, position_ids=position_ids, labels=labels, sample_index=indices, **per_token)
+
+
+def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int) -> list[list[int]]:
+    """This DP rank's micro-batches of sample indices (-1 pads).
+
+    Every DP rank gets the same number of micro-batches of the same size (pipeline schedules and gradient
+    reduction need that); padding rows carry no tokens into the loss, so the per-token normalisation is
+    unchanged. Samples are dealt to ranks round-robin in the order given.
+    """
+    local = indices[dp_rank::dp_size]
+    per_rank = -(-len(indices) // dp_size)
+    n_micro = max(1, -(-per_rank // micro_batch_size))
+    padded = local + [-1] * (n_micro * micro_batch_size - len(local))
+    return [padded[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n_micro)]

@@ -1,0 +1,1 @@
+"""Verifiers that turn a response and a reference answer into correct / wrong."""
