@@ -1,0 +1,1 @@
+"""Checkpoints: HF <-> Megatron conversion maps (convert/), HF weight I/O, run checkpoints."""

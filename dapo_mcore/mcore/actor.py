@@ -1,0 +1,279 @@
+"""The policy being trained: Megatron-Core GPTModel chunks under Megatron's DDP, optimizer and schedules.
+
+A mini-batch of samples is dealt over the data-parallel ranks and cut into micro-batches; Megatron's
+forward/backward schedule (1F1B when pipelined) runs them, our loss returns (sum, token count) per
+micro-batch, and `calculate_per_token_loss` makes Megatron divide the gradient by the mini-batch's total
+response-token count over all micro-batches and DP ranks: DAPO's token-level objective (paper eq. 10)
+whatever the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.algo.losses import clipped_policy_loss
+from dapo_mcore.data.batching import MicroBatch, build_micro_batch, padded_length, split_for_data_parallel
+from dapo_mcore.data.types import Sample
+from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
+from dapo_mcore.mcore.provider import ModelSpec, padded_vocab_size
+from dapo_mcore.mcore.sharding import unwrap
+from dapo_mcore.parallel.state import ParallelContext
+
+# Sums reduced over micro-batches, DP and PP ranks; each metric is a ratio of two of them.
+_SUM_KEYS = ("loss", "tokens", "clip_high", "clip_low", "ratio", "entropy", "response_tokens")
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    clip_low: float
+    clip_high: float
+    temperature: float
+    micro_batch_size: int
+    pad_id: int
+
+
+class MegatronActor:
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        spec: ModelSpec,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        settings: ActorSettings,
+    ):
+        self.ctx, self.spec, self.chunks = ctx, spec, chunks
+        self.optimizer, self.scheduler, self.settings = optimizer, scheduler, settings
+        self.config = unwrap(chunks[0]).config
+        self._vocab_start = ctx.tp_rank * padded_vocab_size(spec.vocab_size, ctx.tp_size) // ctx.tp_size
+
+    # ----- public API -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_old_logprobs(self, samples: list[Sample], mini_batches: list[list[int]]) -> None:
+        """Fill `old_logprobs` of the samples this rank trains on (last pipeline stage only)."""
+        for chunk in self.chunks:
+            chunk.eval()
+        seq_len = padded_length(samples)
+        for indices in mini_batches:
+            micro = self._micro_batches(samples, indices, seq_len)
+            outputs = self._run_schedule(micro, seq_len, forward_only=True)
+            if self.ctx.is_last_stage:
+                self._store_logprobs(samples, micro, outputs)
+
+    def train_step(self, samples: list[Sample], mini_batches: list[list[int]]) -> dict[str, float]:
+        """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
+        seq_len = padded_length(samples)
+        totals = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
+        grad_norms, skipped = [], 0
+        for indices in mini_batches:
+            totals += self.compute_gradients(samples, indices, seq_len)
+            updated, grad_norm, _ = self.optimizer.step()
+            skipped += int(not updated)
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        self.scheduler.step(increment=1)
+        return self._actor_metrics(totals, grad_norms, skipped, len(mini_batches))
+
+    def compute_gradients(self, samples: list[Sample], indices: list[int], seq_len: int | None = None) -> torch.Tensor:
+        """Forward/backward of one mini-batch into the DDP grad buffers (`param.main_grad`), already divided by
+        the mini-batch's token count. Returns this rank's loss/clip sums (see _SUM_KEYS)."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples))
+        totals = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
+        for stats in self._run_schedule(micro, micro[0].tokens.shape[1], forward_only=False):
+            totals += torch.stack([stats[k].double().cpu() for k in _SUM_KEYS])
+        return totals
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ----- schedule plumbing --------------------------------------------------------------------------------
+    def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
+        ctx, mbs = self.ctx, self.settings.micro_batch_size
+        out = []
+        for rows in split_for_data_parallel(indices, ctx.dp_size, ctx.dp_rank, mbs):
+            picked = [samples[i] if i >= 0 else None for i in rows]
+            out.append(build_micro_batch(picked, rows, seq_len, self.settings.pad_id).to(ctx.device))
+        return out
+
+    def _run_schedule(self, micro: list[MicroBatch], seq_len: int, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        forward_backward = get_forward_backward_func(pp_size=self.ctx.pp_size, vp_size=None)
+        return forward_backward(
+            forward_step_func=partial(self._forward_step, forward_only=forward_only),
+            data_iterator=iter(micro),
+            model=self.chunks,
+            num_microbatches=len(micro),
+            seq_length=seq_len,
+            micro_batch_size=self.settings.micro_batch_size,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+            **self._schedule_groups(),
+        )
+
+    def _schedule_groups(self) -> dict[str, Any]:
+        if self.ctx.pp_size == 1:
+            return {"pg_collection": self.ctx.pg}
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        return {
+            "pg_collection": self.ctx.pg,
+            "p2p_communicator": P2PCommunicator(pp_group=self.ctx.pg.pp, config=self.config),
+        }
+
+    def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
+        mb: MicroBatch = next(data_iterator)
+        output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
+        loss_fn = self._logprob_output if forward_only else self._policy_loss
+        return output, partial(loss_fn, mb)
+
+    def _token_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_logprobs(
+            logits,
+            mb.labels,
+            vocab_start=self._vocab_start,
+            true_vocab=self.spec.vocab_size,
+            temperature=self.settings.temperature,
+            tp_group=self.ctx.pg.tp if self.ctx.tp_size > 1 else None,
+        )
+
+    def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
+        logprobs_bs, _ = self._token_logprobs(mb, logits)
+        return logprobs_bs.float().cpu()
+
+    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
+        logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
+        s = self.settings
+        loss_sum, n_tokens, counts = clipped_policy_loss(
+            logprobs_bs, mb.old_logprobs, mb.advantages, mb.loss_mask, s.clip_low, s.clip_high
+        )
+        stats = {
+            "loss": loss_sum.detach(),
+            "tokens": n_tokens,
+            **counts,
+            "entropy": (entropy_bs.detach() * mb.response_mask).sum(),
+            "response_tokens": mb.response_mask.sum(),
+        }
+        return loss_sum, n_tokens.to(torch.int), stats
+
+    def _store_logprobs(self, samples: list[Sample], micro: list[MicroBatch], outputs: list[torch.Tensor]) -> None:
+        for mb, logprobs_bs in zip(micro, outputs):
+            for row, index in enumerate(mb.sample_index):
+                if index < 0:
+                    continue
+                sample = samples[index]
+                start = len(sample.prompt_ids) - 1
+                sample.old_logprobs = logprobs_bs[row, start : start + len(sample.response_ids)].tolist()
+
+    def _actor_metrics(
+        self, totals: torch.Tensor, grad_norms: list[float], skipped: int, n_updates: int
+    ) -> dict[str, float]:
+        # Sums live on the last stage of each DP replica: reduce over DP, then hand them to every stage.
+        totals = totals.to(self.ctx.device)
+        dist.all_reduce(totals, group=self.ctx.pg.dp)
+        if self.ctx.pp_size > 1:
+            dist.all_reduce(totals, group=self.ctx.pg.pp)
+        t = dict(zip(_SUM_KEYS, totals.cpu().tolist()))
+        tokens, resp = max(t["tokens"], 1.0), max(t["response_tokens"], 1.0)
+        return {
+            "loss/policy": t["loss"] / tokens,
+            "actor/clip_frac_high": t["clip_high"] / tokens,
+            "actor/clip_frac_low": t["clip_low"] / tokens,
+            "actor/ratio_mean": t["ratio"] / tokens,
+            "actor/entropy": t["entropy"] / resp,
+            "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "actor/lr": self.lr,
+            "actor/updates": float(n_updates),
+            "actor/skipped_updates": float(skipped),
+            "actor/train_tokens": t["tokens"],
+        }
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    use_distributed_optimizer: bool
+
+
+def build_actor(
+    ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], opt: OptimizerSettings, settings: ActorSettings
+) -> MegatronActor:
+    """Wrap loaded model chunks in Megatron's DDP and build its optimizer and LR schedule.
+
+    Weights must already be in `chunks`: the distributed optimizer copies them into its main parameters.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=opt.use_distributed_optimizer
+    )
+    ddp_chunks = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, pg_collection=ctx.pg)
+        for chunk in chunks
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp_chunks[0].no_sync if len(ddp_chunks) == 1 else [c.no_sync for c in ddp_chunks]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=opt.lr,
+            min_lr=opt.min_lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2,
+            adam_eps=opt.adam_eps,
+            clip_grad=opt.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=opt.use_distributed_optimizer,
+        ),
+        ddp_chunks,
+    )
+    return MegatronActor(ctx, spec, ddp_chunks, optimizer, _lr_schedule(optimizer, opt), settings)
+
+
+def _lr_schedule(optimizer: Any, opt: OptimizerSettings) -> Any:
+    """Linear warm-up over `warmup_steps` RL steps, then constant (the paper). Stepped once per RL step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.warmup_steps,
+        lr_decay_steps=max(opt.total_steps, opt.warmup_steps + 1),
+        lr_decay_style="constant",
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=max(opt.total_steps, 1),
+        wd_incr_style="constant",
+    )
+    # Megatron's warm-up gives lr = 0 at step 0; start one step in so the first RL step already learns.
+    scheduler.step(increment=1)
+    return scheduler

@@ -1,0 +1,208 @@
+"""Model provider: a Hugging Face config.json -> Megatron-Core TransformerConfig and GPTModel chunks.
+
+Supported families: Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA, tied or untied embeddings), i.e.
+model_type llama, qwen2 (QKV bias) and qwen3 (QK norm). A field whose value the provider cannot honour is an
+error naming the field, never a silently different model (REFERENCE.md section 4, complaint 9).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dapo_mcore.utils.errors import ConfigError, LayoutError
+
+_FAMILIES = ("llama", "qwen2", "qwen3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture as read from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    init_std: float
+
+
+def load_hf_config(hf_path: str | Path) -> dict[str, Any]:
+    path = Path(hf_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json in model directory {hf_path}")
+    return json.loads(path.read_text())
+
+
+def read_model_spec(hf: dict[str, Any]) -> ModelSpec:
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"config.json model_type={model_type!r} is not supported (supported: {list(_FAMILIES)})")
+    _expect(hf, "hidden_act", "silu")
+    _expect(hf, "mlp_bias", False)
+    if hf.get("rope_scaling") not in (None, {}) and (hf["rope_scaling"] or {}).get("rope_type", "default") != "default":
+        raise ConfigError(f"config.json rope_scaling={hf['rope_scaling']!r} is not supported yet")
+    if hf.get("use_sliding_window"):
+        raise ConfigError("config.json use_sliding_window=true is not supported")
+    num_heads = hf["num_attention_heads"]
+    attention_bias = bool(hf.get("attention_bias", False))
+    if attention_bias and model_type != "qwen2":
+        raise ConfigError(f"config.json attention_bias=true is not supported for model_type={model_type}")
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        qk_norm=model_type == "qwen3",
+        init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    params = hf.get("rope_parameters") or {}  # transformers 5 moves it here
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _expect(hf: dict[str, Any], key: str, supported: Any) -> None:
+    if key in hf and hf[key] != supported:
+        raise ConfigError(f"config.json {key}={hf[key]!r} is not supported (expected {supported!r})")
+
+
+def check_model_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Refuse a layout the model cannot be split into, before anything is allocated."""
+    for what, count, size, key in (
+        ("attention heads", spec.num_heads, tp, "tensor_model_parallel_size"),
+        ("key/value heads", spec.num_kv_heads, tp, "tensor_model_parallel_size"),
+        ("FFN width", spec.ffn_hidden_size, tp, "tensor_model_parallel_size"),
+        ("layers", spec.num_layers, pp, "pipeline_model_parallel_size"),
+    ):
+        if count % size:
+            raise LayoutError(f"the model's {count} {what} do not split over parallel.{key}={size}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's vocab padding: a multiple of divisible_by * TP (padded logits are masked out)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_transformer_config(
+    spec: ModelSpec, *, tp: int, pp: int, dtype: str, on_cpu: bool, use_te: bool, seed: int = 1234
+) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    if on_cpu and dtype != "float32":
+        raise ConfigError(f"model.dtype={dtype} needs a GPU; the CPU mode runs float32 (model.dtype=float32)")
+    torch_dtype = _DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=spec.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch_dtype,
+        params_dtype=torch_dtype,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        # The fused kernels below come from Transformer Engine / apex; the local path runs plain torch.
+        bias_activation_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        apply_rope_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        persist_layer_norm=use_te,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=True,
+        # DAPO's token-level loss: the schedule sums token counts, finalize_model_grads divides by them.
+        calculate_per_token_loss=True,
+    )
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return False
+    return True
+
+
+def resolve_transformer_impl(choice: str, on_cpu: bool) -> bool:
+    """True when Transformer Engine layers are used."""
+    if choice == "local":
+        return False
+    available = not on_cpu and transformer_engine_available()
+    if choice == "transformer_engine" and not available:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine but Transformer Engine is not usable "
+            "here (it needs CUDA and the 'gpu' extra)"
+        )
+    return available
+
+
+def build_gpt_chunks(
+    spec: ModelSpec, config: Any, *, pg: Any, pre_process: bool, post_process: bool, use_te: bool, tp: int
+) -> list[Any]:
+    """The model chunks this rank holds (one per virtual pipeline stage; one without VPP)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    layer_spec = (
+        get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        if use_te
+        else get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        pg_collection=pg,
+    )
+    return [model]

@@ -1,0 +1,19 @@
+"""Process groups and the CPU (gloo) mode; the only code that touches megatron.core.parallel_state."""
+
+from dapo_mcore.parallel.state import (
+    ParallelContext,
+    all_gather_objects,
+    broadcast_object,
+    check_layout,
+    destroy_parallel,
+    init_parallel,
+)
+
+__all__ = [
+    "ParallelContext",
+    "all_gather_objects",
+    "broadcast_object",
+    "check_layout",
+    "destroy_parallel",
+    "init_parallel",
+]

@@ -1,0 +1,100 @@
+"""CPU mode: lets Megatron-Core's real code paths (models, schedules, DDP, optimizer, dist_checkpointing) run
+on the CPU with gloo, so tests exercise the same code that runs on GPUs.
+
+Megatron-Core 0.16 calls a handful of CUDA-only functions on those paths; each is redirected here, and only
+here, and only when `activate()` is called (never on a GPU run):
+  1. torch.cuda.current_device()          -> the CPU device (global memory buffer, p2p shape buffers)
+  2. the CUDA RNG tracker                 -> a tracker of named CPU generator states (its fork() swaps the
+                                             CPU RNG state, so per-TP-rank streams still differ)
+  3. factory calls with device="cuda"     -> the CPU (a TorchFunctionMode rewriting the `device` keyword,
+                                             e.g. `total_num_tokens` in pipeline_parallel/schedules.py)
+  4. Tensor.cuda(), torch.cuda.synchronize() -> identity / no-op
+  5. Tensor.type() strings                -> CPU tensors report 'torch.cuda.*' names, which the optimizer
+                                             wrappers and clip_grads.py compare against
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE: _CudaToCpuDeviceMode | None = None
+
+
+class _CudaToCpuDeviceMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _names_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _names_cuda(device: object) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # a bare index means a CUDA device
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def is_active() -> bool:
+    return _ACTIVE is not None
+
+
+def activate() -> None:
+    """Install the redirections for this process (idempotent). Refuses to run where CUDA is available."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "CPU mode must not be activated on a machine with CUDA (parallel.device=cpu is for machines without a GPU)"
+        )
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
+    _install_cpu_rng_tracker()
+    _ACTIVE = _CudaToCpuDeviceMode()
+    _ACTIVE.__enter__()
+
+
+def _cuda_named_type(original):
+    def type_(self, dtype=None, *args, **kwargs):
+        if dtype is not None:
+            return original(self, dtype, *args, **kwargs)
+        name = original(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    class CpuRNGStatesTracker(mpu_random.CudaRNGStatesTracker):
+        """Named CPU generator states with the CUDA tracker's interface."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            outer_state = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer_state)
+
+    mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

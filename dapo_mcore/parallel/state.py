@@ -1,0 +1,174 @@
+"""Process groups of a run: the only module that calls megatron.core.parallel_state.
+
+Everything else receives a ParallelContext and passes its groups explicitly (DESIGN.md rule 4).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.parallel import cpu_mode
+from dapo_mcore.utils.errors import LayoutError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ParallelContext:
+    device: torch.device
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ...).
+    pg: Any
+    # Global rank of each pipeline stage of this rank's pipeline, first to last.
+    pp_global_ranks: list[int]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def describe(self) -> str:
+        return (
+            f"world={self.world_size} = TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size} "
+            f"on {self.device.type} ({'gloo' if self.is_cpu else 'nccl'})"
+        )
+
+
+def check_layout(world_size: int, tp: int, pp: int) -> int:
+    """The data-parallel size of a layout, or a LayoutError that says what does not divide."""
+    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if size < 1:
+            raise LayoutError(f"parallel.{name} must be >= 1, got {size}")
+    if world_size % (tp * pp):
+        raise LayoutError(
+            f"parallel layout TP={tp} x PP={pp} = {tp * pp} ranks does not divide the world size {world_size}; "
+            f"launch a multiple of {tp * pp} processes or change parallel.tensor_model_parallel_size / "
+            f"parallel.pipeline_model_parallel_size"
+        )
+    return world_size // (tp * pp)
+
+
+def resolve_device(preference: str) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise LayoutError("parallel.device=cuda but no CUDA device is visible")
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+# Warnings Megatron-Core 0.16 raises on every run that say nothing about the run itself.
+_BENIGN_WARNINGS = (
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
+    (UserWarning, r"full scope is deprecated"),
+)
+# ... and those that are expected in the CPU mode (no Apex / Transformer Engine there by design).
+_CPU_MODE_WARNINGS = (
+    (UserWarning, r"(Transformer Engine and Apex|Apex) (are|is) not installed"),
+    # Megatron reads `.grad` of non-leaf tensors; through the CPU device mode that read raises this warning.
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
+)
+
+
+def _quiet_benign_warnings(on_cpu: bool) -> None:
+    for category, message in _BENIGN_WARNINGS + (_CPU_MODE_WARNINGS if on_cpu else ()):
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def init_parallel(
+    tp: int, pp: int, device_preference: str = "auto", timeout_minutes: int = 30, seed: int = 0
+) -> ParallelContext:
+    """Start torch.distributed (torchrun's env, or a one-process group) and Megatron's model parallel groups."""
+    device = resolve_device(device_preference)
+    _quiet_benign_warnings(device.type == "cpu")
+    _ensure_process_group(device, timeout_minutes)
+    dp = check_layout(dist.get_world_size(), tp, pp)
+    if device.type == "cpu":
+        cpu_mode.activate()
+    else:
+        torch.cuda.set_device(device)
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    ctx = ParallelContext(
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        dp_rank=mpu.get_data_parallel_rank(),
+        dp_size=dp,
+        pg=ProcessGroupCollection.use_mpu_process_groups(),
+        pp_global_ranks=list(dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())),
+    )
+    log.info("parallel layout: %s", ctx.describe())
+    return ctx
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python`/`dapo-mcore` run: a one-process world
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """`src` is a global rank. Returns the source's object on every rank of the group."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

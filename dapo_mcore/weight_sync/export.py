@@ -1,0 +1,110 @@
+"""Actor -> engines: the only bridge between the Megatron actor and the rollout engines.
+
+Every rank hosts an engine replica, so every rank needs the full HF-named weights. Per pipeline stage, in
+stage order: the stage's ranks all-gather each tensor over TP, pack the full tensors into buckets of about
+`bucket_bytes`, and broadcast each bucket from that stage to the other stages of the pipeline. Every rank
+runs the same collectives in the same order, so no rank can wait on a collective another never enters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.checkpoint.convert import LlamaFamilyMap
+from dapo_mcore.mcore.sharding import gather_full, global_named_parameters, tp_split_of
+from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
+from dapo_mcore.rollout.base import RolloutEngine
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+class WeightExporter:
+    def __init__(
+        self, ctx: ParallelContext, chunks: list[torch.nn.Module], family: LlamaFamilyMap, bucket_bytes: int = 512 << 20
+    ):
+        self.ctx, self.chunks, self.family, self.bucket_bytes = ctx, chunks, family, bucket_bytes
+        self._local = [
+            (n, p) for chunk in chunks for n, p in global_named_parameters(chunk) if not self._is_tied_copy(n)
+        ]
+        self._params = dict(self._local)
+        mine = [_Entry(n, self._full_shape(n, p), p.dtype) for n, p in self._local]
+        # The same ordered list of every stage's entries on every rank.
+        self._stages: list[list[_Entry]] = all_gather_objects(mine, group=ctx.pg.pp) if ctx.pp_size > 1 else [mine]
+
+    def hf_weights(self, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, full tensor) for the whole model, on every rank. With grads=True, the gradients
+        (Megatron DDP's `main_grad`) instead of the weights, e.g. to compare parallel layouts."""
+        for stage, entries in enumerate(self._stages):
+            for bucket in self._buckets(entries, grads):
+                for entry, tensor in zip(bucket, self._materialise(stage, bucket, grads)):
+                    yield from self.family.mcore_to_hf(entry.name, tensor)
+
+    def push(self, engine: RolloutEngine) -> None:
+        engine.update_weights(self.hf_weights())
+
+    def _local_tensor(self, name: str, grads: bool) -> torch.Tensor:
+        param = self._params[name]
+        return param.main_grad.float() if grads else param.detach()
+
+    def _is_tied_copy(self, name: str) -> bool:
+        return name == "output_layer.weight" and self.family.spec.tie_word_embeddings
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        split = tp_split_of(name, param)
+        shape = list(param.shape)
+        if split.dim is not None:
+            shape[split.dim] *= self.ctx.tp_size
+        if split.vocab:
+            shape[0] = self.family.spec.vocab_size
+        return tuple(shape)
+
+    def _buckets(self, entries: list[_Entry], grads: bool) -> Iterator[list[_Entry]]:
+        bucket, size = [], 0
+        for entry in entries:
+            if grads:  # main_grad buffers are fp32 whatever the parameter dtype
+                entry = _Entry(entry.name, entry.shape, torch.float32)
+            nbytes = entry.numel * entry.dtype.itemsize
+            if bucket and size + nbytes > self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(entry)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def _materialise(self, stage: int, bucket: list[_Entry], grads: bool) -> list[torch.Tensor]:
+        ctx = self.ctx
+        if len({e.dtype for e in bucket}) > 1:
+            raise TypeError("a weight bucket mixes dtypes; all parameters of a chunk share one dtype")
+        if stage == ctx.pp_rank:
+            tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
+            tensors = [
+                gather_full(
+                    self._local_tensor(e.name, grads),
+                    tp_split_of(e.name, self._params[e.name]),
+                    tp_group,
+                    self.family.spec.vocab_size,
+                )
+                for e in bucket
+            ]
+            if ctx.pp_size == 1:
+                return tensors
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        else:
+            flat = torch.empty(sum(e.numel for e in bucket), dtype=bucket[0].dtype, device=ctx.device)
+        dist.broadcast(flat, src=ctx.pp_global_ranks[stage], group=ctx.pg.pp)
+        return [piece.view(e.shape) for piece, e in zip(flat.split([e.numel for e in bucket]), bucket)]
