@@ -1,0 +1,80 @@
+"""`dapo-mcore`: the command line.
+
+    dapo-mcore train CONFIG.yaml [section.key=value ...]     run DAPO (single process, or under torchrun/srun)
+    dapo-mcore config CONFIG.yaml [section.key=value ...]    print the resolved config
+    dapo-mcore keys                                          list every config key
+
+Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dapo_mcore.utils.errors import DapoError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DapoError as err:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+            print(f"dapo-mcore: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapo-mcore", description="DAPO RL training on Megatron-Core")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    for name, func, help_ in (
+        ("train", _train, "run DAPO training"),
+        ("config", _show_config, "print the resolved config"),
+    ):
+        cmd = sub.add_parser(name, help=help_)
+        cmd.add_argument("config", help="recipe YAML (see examples/)")
+        cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        cmd.set_defaults(func=func)
+    keys = sub.add_parser("keys", help="list every config key with its default")
+    keys.set_defaults(func=_list_keys)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dapo_mcore.config import load_config
+    from dapo_mcore.trainer import train
+
+    run_dir = train(load_config(args.config, args.overrides))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dapo-mcore: run finished; metrics, config and curves in {run_dir}")
+    return 0
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from dapo_mcore.config import load_config
+    from dapo_mcore.config.loader import config_to_dict
+
+    print(yaml.safe_dump(config_to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")
+    return 0
+
+
+def _list_keys(args: argparse.Namespace) -> int:
+    from dapo_mcore.config import RunConfig, all_keys
+    from dapo_mcore.config.loader import config_to_dict
+
+    defaults = config_to_dict(RunConfig())
+    for key in all_keys():
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        print(f"{key} = {value!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
