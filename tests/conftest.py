@@ -1,0 +1,66 @@
+"""Shared fixtures and the tier rules: tests/<tier>/ gets the marker of its tier; gpu tests skip without CUDA."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "dist", "gpu", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    for item in items:
+        tier = Path(item.fspath).relative_to(REPO / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "gpu" and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
+    """Run `script` under torchrun with nproc gloo processes; fail the test with its output if it fails."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (untied, GQA) with the shipped char tokenizer, saved as an HF directory."""
+    from tests.helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

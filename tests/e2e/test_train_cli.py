@@ -1,0 +1,110 @@
+"""Whole runs through the command line, as a user starts them (single process and under torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dapo_mcore.config import load_config
+from tests.conftest import REPO, free_port
+
+REQUIRED_METRICS = (
+    "step",
+    "rollout/accuracy",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "dynamic_sampling/kept_groups",
+    "dynamic_sampling/rounds",
+    "loss/policy",
+    "actor/clip_frac_high",
+    "actor/clip_frac_low",
+    "actor/entropy",
+    "actor/grad_norm",
+    "time/step_s",
+)
+# A short run of the demo recipe: 3 steps of 4 prompts x 8 samples.
+SHORT = [
+    "trainer.steps=3",
+    "rollout.prompts_per_step=4",
+    "rollout.gen_prompts_per_round=4",
+    "trainer.mini_batch_size=16",
+    "trainer.micro_batch_size=16",
+]
+
+
+def cli(*args, launcher=(), timeout=600):
+    cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, f"logging.run_dir={run_dir}")
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert set(REQUIRED_METRICS) <= set(row), set(REQUIRED_METRICS) - set(row)
+        assert 0.0 <= row["rollout/accuracy"] <= 1.0 and row["dynamic_sampling/kept_groups"] <= 4
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved.trainer.steps == 3 and resolved == load_config(
+        "examples/smoke_cpu.yaml", SHORT + [f"logging.run_dir={run_dir}"]
+    )
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    assert "step 3/3" in proc.stdout + proc.stderr
+
+
+def test_rerun_into_the_same_directory_keeps_the_earlier_run(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        "examples/smoke_cpu.yaml",
+        *SHORT,
+        "trainer.steps=1",
+        f"logging.run_dir={run_dir}",
+        "logging.wandb.mode=disabled",
+    ]
+    cli(*args)
+    cli(*args)
+    kept = list(tmp_path.glob("run.prev-*"))
+    assert len(kept) == 1 and (kept[0] / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2"]],
+    ids=["tp2", "pp2"],
+)
+def test_two_process_run_under_torchrun(tmp_path, layout):
+    run_dir = tmp_path / "run"
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    cli(
+        "train",
+        "examples/smoke_cpu.yaml",
+        *SHORT,
+        "trainer.steps=2",
+        *layout,
+        f"logging.run_dir={run_dir}",
+        "logging.wandb.mode=disabled",
+        launcher=launcher,
+    )
+    rows = read_rows(run_dir)
+    assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 for r in rows)
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["tensor_model_parallel_size"] in (1, 2)

@@ -1,0 +1,75 @@
+"""Helpers shared by the test tiers: tiny random HF models of each family, deterministic sample batches."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from dapo_mcore.data.tokenizer import build_char_tokenizer
+from dapo_mcore.data.types import Sample
+
+VOCAB = 100  # the shipped char tokenizer's size
+
+
+def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    raise ValueError(family)
+
+
+def save_tiny_model(out: Path, family: str, tie: bool = False, seed: int = 0, layers: int = 2) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family, tie, layers))
+    with torch.no_grad():  # HF zero-initialises norms and biases; make them matter in parity checks
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out)
+    build_char_tokenizer(out)
+    return out
+
+
+def random_samples(n: int, seed: int = 0, max_prompt: int = 9, max_response: int = 12) -> list[Sample]:
+    """Samples with random prompts/responses, advantages of both signs, old log-probs near the policy's."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(2, max_prompt))]
+        response = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, max_response))]
+        samples.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=response,
+                rollout_logprobs=[-4.6] * len(response),
+                finish_reason="stop",
+                advantage=rng.uniform(-1.5, 1.5),
+                trainable=(i % 7 != 3),
+                # log-probs of a uniform policy over 100 tokens, shifted so some ratios leave the clip range
+                old_logprobs=[-4.6 + rng.uniform(-0.4, 0.4) for _ in response],
+            )
+        )
+    return samples

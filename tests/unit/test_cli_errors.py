@@ -1,0 +1,53 @@
+"""Bad input ends with one clear line and exit code 2, not a traceback from deep inside."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_mcore.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.clip_hgh=0.3", "unknown config key 'algorithm.clip_hgh'.*did you mean 'algorithm.clip_high'"),
+        ("data.source=no/such/prompts.jsonl", "data.source: file not found: no/such/prompts.jsonl"),
+        ("parallel.tensor_model_parallel_size=2", "TP=2 x PP=1 = 2 ranks does not divide the world size 1"),
+        (
+            "parallel.tensor_model_parallel_size=3",
+            "4 attention heads do not split over parallel.tensor_model_parallel_size=3",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_line(override, message, tiny_llama_dir, tmp_path):
+    proc = run_cli(
+        "train",
+        "examples/smoke_cpu.yaml",
+        f"model.hf_path={tiny_llama_dir}",
+        f"logging.run_dir={tmp_path}/run",
+        "logging.wandb.mode=disabled",
+        override,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    import re
+
+    assert re.search("dapo-mcore: error: .*" + message, proc.stderr), proc.stderr
+
+
+def test_missing_recipe_file():
+    proc = run_cli("config", "examples/nope.yaml")
+    assert proc.returncode == 2 and "config file not found" in proc.stderr
+
+
+def test_config_command_prints_the_resolved_config():
+    proc = run_cli("config", "examples/smoke_cpu.yaml", "algorithm.clip_high=0.31")
+    assert proc.returncode == 0 and "clip_high: 0.31" in proc.stdout

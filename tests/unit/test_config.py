@@ -1,0 +1,118 @@
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.config import RunConfig, all_keys, dump_config, load_config, parse_override, validate
+from dapo_mcore.utils.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_papers_settings():
+    cfg = RunConfig()
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.28)
+    assert cfg.rollout.sampling.max_response_len == 20480 and cfg.algorithm.overlong.buffer_len == 4096
+    assert cfg.optimizer.lr == 1e-6 and cfg.optimizer.weight_decay == 0.1 and cfg.optimizer.clip_grad == 1.0
+    assert cfg.rollout.n_samples_per_prompt == 16 and cfg.rollout.prompts_per_step == 512
+
+
+def test_unknown_key_names_the_key_the_file_and_the_closest_valid_key(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "algorithm:\n  clip_hgh: 0.3\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'algorithm.clip_hgh' in .*r.yaml; "
+        r"did you mean 'algorithm.clip_high'",
+    ):
+        load_config(recipe)
+
+
+def test_known_leaf_under_the_wrong_section_suggests_the_right_section():
+    with pytest.raises(ConfigError, match="did you mean 'algorithm.clip_high'"):
+        load_config(None, ["rollout.clip_high=0.3"])
+
+
+def test_unknown_top_level_section_is_an_error():
+    with pytest.raises(ConfigError, match="unknown config key 'algorthm'.*did you mean 'algorithm'"):
+        load_config(None, ["algorthm.clip_high=0.3"])
+
+
+def test_wrong_types_are_errors_naming_the_key():
+    with pytest.raises(ConfigError, match="'trainer.steps' must be an integer, got 'many'"):
+        load_config(None, ["trainer.steps=many"])
+    with pytest.raises(ConfigError, match="'parallel.device' must be one of"):
+        load_config(None, ["parallel.device=tpu"])
+    with pytest.raises(ConfigError, match="'algorithm.overlong.enabled' must be true or false"):
+        load_config(None, ["algorithm.overlong.enabled=3"])
+    with pytest.raises(ConfigError, match="'algorithm' .* is a section"):
+        load_config(None, ["algorithm=3"])
+
+
+def test_yaml_1_1_exponent_strings_are_read_as_floats(tmp_path):
+    recipe = write(tmp_path / "r.yaml", "optimizer:\n  lr: 1e-6\n")
+    assert load_config(recipe).optimizer.lr == 1e-6
+
+
+def test_defaults_inheritance_then_overrides_take_precedence(tmp_path):
+    write(tmp_path / "base.yaml", "name: base\ntrainer:\n  steps: 7\n  micro_batch_size: 2\n")
+    child = write(tmp_path / "child.yaml", "defaults: [base.yaml]\nname: child\ntrainer:\n  steps: 9\n")
+    cfg = load_config(child, ["trainer.micro_batch_size=3"])
+    assert (cfg.name, cfg.trainer.steps, cfg.trainer.micro_batch_size) == ("child", 9, 3)
+
+
+def test_defaults_cycle_and_missing_parent_are_errors(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    orphan = write(tmp_path / "c.yaml", "defaults: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml .*named in defaults of"):
+        load_config(orphan)
+
+
+def test_missing_config_file_and_bad_override_syntax_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="not of the form section.key=value"):
+        parse_override("trainer.steps")
+
+
+def test_resolved_config_round_trips_through_its_dump(tmp_path):
+    cfg = load_config(REPO / "examples/smoke_cpu.yaml", ["algorithm.clip_high=0.3"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_every_schema_key_is_listed():
+    keys = all_keys()
+    assert "algorithm.overlong.buffer_len" in keys and "rollout.sampling.top_p" in keys
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.clip_low=1.5", "clip_low must be in"),
+        ("algorithm.overlong.buffer_len=40000", "buffer_len=40000 must be in"),
+        ("rollout.n_samples_per_prompt=1", "every group would be dropped"),
+        ("trainer.micro_batch_size=1000", "smaller than trainer.micro_batch_size"),
+        ("data.source=missing.jsonl", "file not found"),
+        ("data.ops=/", "data.ops must be made of"),
+        ("model.hf_path=/nonexistent", "no config.json"),
+    ],
+)
+def test_semantic_checks_name_the_offending_keys(override, message, tiny_llama_dir):
+    cfg = load_config(REPO / "examples/smoke_cpu.yaml", [f"model.hf_path={tiny_llama_dir}", override])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+def test_shipped_recipes_load_and_validate():
+    for recipe in sorted((REPO / "examples").glob("*.yaml")):
+        cfg = load_config(recipe)
+        if Path(cfg.model.hf_path).exists():
+            validate(cfg)
