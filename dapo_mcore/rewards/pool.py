@@ -1,0 +1,136 @@
+"""Running verifiers with a per-sample timeout, in worker processes, so that no output can hang the job.
+
+A check that outlives `timeout_s` is counted as wrong (and as a timeout); its worker is killed and a fresh
+one takes its place. A worker is used once it reports that its verifier is imported, so start-up time never
+counts against a check. A verifier that raises counts as wrong and its error is kept. With workers=0 the checks
+run in-process without a timeout (debugging only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.imports import import_callable
+
+BUILTIN_VERIFIERS = {
+    "dapo": "dapo_mcore.rewards.dapo_rule:is_correct",
+    "math_verify": "dapo_mcore.rewards.math_verify_rule:is_correct",
+}
+
+
+@dataclass
+class Verdict:
+    correct: bool
+    timed_out: bool = False
+    error: str | None = None
+
+
+def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
+    """'dapo', 'math_verify', or 'package.module:function' taking (response, reference) -> bool."""
+    return import_callable(BUILTIN_VERIFIERS.get(spec, spec), what=f"verifier (one of {sorted(BUILTIN_VERIFIERS)} or)")
+
+
+def _worker_main(conn, spec: str) -> None:
+    verifier = resolve_verifier(spec)
+    conn.send("ready")  # deadlines start once the verifier is imported, not while the process starts
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        index, response, reference = task
+        try:
+            conn.send((index, bool(verifier(response, reference)), None))
+        except Exception as err:  # a verifier bug must not kill the worker
+            conn.send((index, False, f"{type(err).__name__}: {err}"))
+
+
+class _Worker:
+    def __init__(self, ctx, spec: str, startup_timeout_s: float):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.process.start()
+        child.close()
+        if not self.conn.poll(startup_timeout_s) or self.conn.recv() != "ready":
+            self.kill()
+            raise DapoError(f"verifier worker for {spec!r} did not start within {startup_timeout_s:.0f} s")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class VerifierPool:
+    def __init__(self, spec: str, workers: int = 1, timeout_s: float = 10.0, startup_timeout_s: float = 120.0):
+        self.spec, self.n_workers, self.timeout_s = spec, workers, timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
+        self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
+        self._workers: list[_Worker] = []
+
+    def verify(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+        if self.n_workers == 0:
+            return [self._verify_inline(r, ref) for r, ref in pairs]
+        if len(self._workers) < self.n_workers:
+            self._workers += [self._start() for _ in range(self.n_workers - len(self._workers))]
+        results: list[Verdict | None] = [None] * len(pairs)
+        pending, busy = deque(range(len(pairs))), {}  # busy: worker index -> (task index, deadline)
+        while pending or busy:
+            for w in range(len(self._workers)):
+                if w not in busy and pending:
+                    task = pending.popleft()
+                    self._workers[w].conn.send((task, *pairs[task]))
+                    busy[w] = (task, time.monotonic() + self.timeout_s)
+            self._collect(busy, results)
+            self._expire(busy, results)
+        return results
+
+    def _collect(self, busy, results) -> None:
+        next_deadline = min(deadline for _, deadline in busy.values())
+        conns = {self._workers[w].conn: w for w in busy}
+        for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
+            w = conns[conn]
+            try:
+                task, correct, error = conn.recv()
+            except (EOFError, OSError):  # the worker died (crash, out of memory)
+                task, correct, error = busy[w][0], False, "verifier worker died"
+                self._replace(w)
+            results[task] = Verdict(correct=correct, error=error)
+            del busy[w]
+
+    def _expire(self, busy, results) -> None:
+        now = time.monotonic()
+        for w, (task, deadline) in list(busy.items()):
+            if now >= deadline:
+                results[task] = Verdict(correct=False, timed_out=True)
+                self._replace(w)
+                del busy[w]
+
+    def _start(self) -> _Worker:
+        return _Worker(self._ctx, self.spec, self.startup_timeout_s)
+
+    def _replace(self, w: int) -> None:
+        self._workers[w].kill()
+        self._workers[w] = self._start()
+
+    def _verify_inline(self, response: str, reference: str) -> Verdict:
+        try:
+            return Verdict(correct=bool(self._verifier(response, reference)))
+        except Exception as err:
+            return Verdict(correct=False, error=f"{type(err).__name__}: {err}")
+
+    def close(self) -> None:
+        for worker in self._workers:
+            with contextlib.suppress(OSError):  # the worker may already be gone
+                worker.conn.send(None)
+            worker.process.join(timeout=1)
+            if worker.process.is_alive():
+                worker.kill()
+        self._workers = []

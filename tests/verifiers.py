@@ -1,0 +1,38 @@
+"""Verifiers and filters for tests, importable by 'tests.verifiers:name' (kept free of heavy imports, since
+verifier worker processes import this module)."""
+
+import time
+
+from dapo_mcore.rewards.dapo_rule import is_correct
+
+
+def hang_on_hmm(response: str, reference: str) -> bool:
+    """Never returns for responses containing 'hmm' (as a check on a degenerate output might)."""
+    if "hmm" in response:
+        time.sleep(3600)
+    return is_correct(response, reference)
+
+
+def keep_even_sums(group) -> bool:
+    """A custom dynamic-sampling filter: keep groups whose answer is even."""
+    return int(group.prompt.answer) % 2 == 0
+
+
+def raise_on_boom(response: str, reference: str) -> bool:
+    if "boom" in response:
+        raise ValueError("verifier bug")
+    return is_correct(response, reference)
+
+
+def die_on_crash(response: str, reference: str) -> bool:
+    """Kills its own process, as a segfault or the OOM killer would."""
+    import os
+
+    if "crash" in response:
+        os._exit(1)
+    return is_correct(response, reference)
+
+
+def drop_every_group(group) -> bool:
+    """A dynamic-sampling filter that keeps nothing: every step hits the round cap."""
+    return False
