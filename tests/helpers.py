@@ -73,3 +73,54 @@ def random_samples(n: int, seed: int = 0, max_prompt: int = 9, max_response: int
             )
         )
     return samples
+
+
+# ---- a scripted rollout engine and test verifiers --------------------------------------------------------
+class FakeTokenizer:
+    class _Encoded:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    def __call__(self, text):
+        return self._Encoded([ord(c) for c in text])  # reversible: the scripted engine reads the prompt back
+
+
+class ScriptedEngine:
+    """Answers each prompt n times; `correct(prompt_text, j)` decides whether answer j is right."""
+
+    def __init__(self, correct, length=3):
+        self.correct, self.length, self.calls = correct, length, []
+
+    def generate(self, prompt_ids, params):
+        from dapo_mcore.rollout.base import Completion
+
+        self.calls.append(len(prompt_ids))
+        out = []
+        for ids in prompt_ids:
+            text = "".join(chr(i) for i in ids)
+            a, b = (int(x) for x in text.removeprefix("What is ").rstrip("?\n").split("+"))
+            group = []
+            for j in range(params.n):
+                answer = a + b if self.correct(text, j) else a + b + 1
+                group.append(
+                    Completion(
+                        token_ids=[5] * self.length,
+                        logprobs=[-1.0] * self.length,
+                        finish_reason="stop",
+                        text=f"Answer: {answer}",
+                    )
+                )
+            out.append(group)
+        return out
+
+    def update_weights(self, named_tensors):
+        pass
+
+    def release_memory(self):
+        pass
+
+    def resume_memory(self):
+        pass
+
+    def shutdown(self):
+        pass

@@ -17,8 +17,9 @@ import tempfile
 
 import torch
 
+from dapo_mcore.build import build_run
 from dapo_mcore.config import load_config
-from dapo_mcore.trainer import build_run, finish, rl_step
+from dapo_mcore.trainer import finish, rl_step
 
 PHASES = ("generate", "reward", "old_logprobs", "update", "weight_push")
 

@@ -63,6 +63,28 @@ class RolloutConfig:
 
 
 @dataclass
+class AdvantageConfig:
+    # "grpo": (R - mean) / (std + eps) per group (the paper); "mean_only": R - mean (Dr.GRPO).
+    estimator: Literal["grpo", "mean_only"] = "grpo"
+    eps: float = 1e-6
+    # Then shift and scale the advantages to mean 0, std 1 over the whole batch.
+    batch_normalize: bool = False
+
+
+@dataclass
+class RewardConfig:
+    # "dapo" (final answer after "Answer:"), "math_verify" (symbolic, LaTeX/boxed), or "module:function".
+    verifier: str = "dapo"
+    # Reward for a correct / wrong final answer (paper: +1 / -1; use 1 / 0 for a 0-1 reward).
+    correct: float = 1.0
+    wrong: float = -1.0
+    # Each check runs in a worker process and counts as wrong past this many seconds.
+    timeout_s: float = 10.0
+    # Verifier worker processes per rank (0: in-process, no timeout; for debugging).
+    workers: int = 1
+
+
+@dataclass
 class OverlongConfig:
     # Soft overlong punishment (paper eq. 13): linear penalty in the last buffer_len tokens before L_max.
     enabled: bool = True
@@ -74,13 +96,54 @@ class OverlongConfig:
 
 
 @dataclass
+class LengthPenaltyConfig:
+    # RLinf's linear length penalty: -coef * (len - safe_len) / (max_len - safe_len), within [-1, 0].
+    enabled: bool = False
+    coef: float = 1.0
+    safe_len: int = 16384
+    max_len: int = 20480
+
+
+@dataclass
 class DynamicSamplingConfig:
-    # Keep only groups whose accuracy is strictly between 0 and 1 (paper eq. 11).
+    # Keep only groups whose verifier scores differ (0 < accuracy < 1, paper eq. 11).
     enabled: bool = True
-    # Generation rounds per step before the cap (paper's script: 10).
+    # "resample": generate rounds until prompts_per_step groups are kept (the paper);
+    # "dynamic_batch": one round of prompts_per_step prompts, train on the groups kept (AReaL's dynamic_bs).
+    mode: Literal["resample", "dynamic_batch"] = "resample"
+    # Generation rounds per step before the cap (paper's script: 10); 0 or less: no cap.
     max_rounds: int = 10
     # At the cap: "train" on the groups kept so far (warned, logged), or "error" out.
     on_cap: Literal["train", "error"] = "train"
+    # A custom keep/drop predicate, 'module:function' taking a data.types.Group; empty: the default filter.
+    filter: str = ""
+    # Size each round from a running keep-rate estimate instead of rollout.gen_prompts_per_round.
+    adaptive: bool = False
+    # Bounds of an adaptive round, in prompts.
+    adaptive_min_prompts: int = 1
+    adaptive_max_prompts: int = 4096
+
+
+@dataclass
+class KLConfig:
+    # KL penalty weight; 0 (the paper) builds and runs no reference model.
+    beta: float = 0.0
+    # "kl" (k1), "abs", "mse" (k2), "low_var_kl" (k3, clamped to [-10, 10]).
+    estimator: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+
+
+@dataclass
+class MismatchConfig:
+    # Train/inference mismatch correction with importance weights exp(logp_old - logp_rollout):
+    # "token": truncated importance sampling, weights capped at tis_cap; "sequence_mask": drop the tokens of
+    # sequences whose geometric-mean weight leaves [seq_mask_low, seq_mask_high]; "none": metrics only.
+    tis: Literal["none", "token", "sequence_mask"] = "none"
+    tis_cap: float = 2.0
+    seq_mask_low: float = 0.5
+    seq_mask_high: float = 2.0
+    # Skip (zero loss, no tokens counted) a micro-batch whose mean ratio exceeds this (RLinf's
+    # early_stop_imp_ratio); null: never.
+    early_stop_ratio: float | None = None
 
 
 @dataclass
@@ -88,13 +151,24 @@ class AlgorithmConfig:
     # Decoupled clip (clip-higher): ratio clipped to [1 - clip_low, 1 + clip_high].
     clip_low: float = 0.2
     clip_high: float = 0.28
-    # Added to the group reward std in the advantage denominator.
-    adv_eps: float = 1e-6
-    # Reward for a correct / wrong final answer (paper: +1 / -1).
-    reward_correct: float = 1.0
-    reward_wrong: float = -1.0
+    # Dual-clip bound c for negative advantages (the authors' script: 10); null disables it.
+    dual_clip_c: float | None = 10.0
+    # "token-mean" (the paper), "seq-mean-token-mean" (GRPO), "seq-mean-token-sum",
+    # "seq-mean-token-sum-norm" (Dr.GRPO); every mode is over the whole mini-batch.
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    # The constant divisor of seq-mean-token-sum-norm; 0: rollout.sampling.max_response_len.
+    loss_norm_len: int = 0
+    # Entropy bonus coefficient (the loss subtracts coef * entropy); 0: entropy is only a metric.
+    entropy_coeff: float = 0.0
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    length_penalty: LengthPenaltyConfig = field(default_factory=LengthPenaltyConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
 
 @dataclass

@@ -29,9 +29,29 @@ def _check_algorithm(cfg: RunConfig) -> None:
     algo = cfg.algorithm
     _require(0.0 <= algo.clip_low < 1.0, f"algorithm.clip_low must be in [0, 1), got {algo.clip_low}")
     _require(algo.clip_high >= 0.0, f"algorithm.clip_high must be >= 0, got {algo.clip_high}")
-    _require(algo.adv_eps > 0.0, f"algorithm.adv_eps must be > 0, got {algo.adv_eps}")
-    _require(algo.reward_correct > algo.reward_wrong, "algorithm.reward_correct must exceed reward_wrong")
-    over = algo.overlong
+    _require(
+        algo.dual_clip_c is None or algo.dual_clip_c > 1.0,
+        f"algorithm.dual_clip_c must be > 1 (or null), got {algo.dual_clip_c}",
+    )
+    _require(algo.loss_norm_len >= 0, "algorithm.loss_norm_len must be >= 0")
+    _require(algo.entropy_coeff >= 0.0, "algorithm.entropy_coeff must be >= 0")
+    _require(algo.advantage.eps > 0.0, f"algorithm.advantage.eps must be > 0, got {algo.advantage.eps}")
+    _require(algo.kl.beta >= 0.0, f"algorithm.kl.beta must be >= 0, got {algo.kl.beta}")
+    _check_reward(cfg)
+    _check_length_shaping(cfg)
+    _check_dynamic_sampling(cfg)
+    _check_mismatch(cfg)
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    reward = cfg.algorithm.reward
+    _require(reward.correct > reward.wrong, "algorithm.reward.correct must exceed algorithm.reward.wrong")
+    _require(reward.timeout_s > 0.0, "algorithm.reward.timeout_s must be > 0")
+    _require(reward.workers >= 0, "algorithm.reward.workers must be >= 0")
+
+
+def _check_length_shaping(cfg: RunConfig) -> None:
+    over, linear = cfg.algorithm.overlong, cfg.algorithm.length_penalty
     max_len = cfg.rollout.sampling.max_response_len
     if over.enabled:
         _require(
@@ -39,8 +59,33 @@ def _check_algorithm(cfg: RunConfig) -> None:
             f"algorithm.overlong.buffer_len={over.buffer_len} must be in (0, rollout.sampling."
             f"max_response_len={max_len})",
         )
-    ds = algo.dynamic_sampling
-    _require(ds.max_rounds >= 1, f"algorithm.dynamic_sampling.max_rounds must be >= 1, got {ds.max_rounds}")
+    if linear.enabled:
+        _require(
+            0 <= linear.safe_len < linear.max_len,
+            f"algorithm.length_penalty: need 0 <= safe_len ({linear.safe_len}) < max_len ({linear.max_len})",
+        )
+
+
+def _check_dynamic_sampling(cfg: RunConfig) -> None:
+    ds = cfg.algorithm.dynamic_sampling
+    _require(
+        not ds.filter or ":" in ds.filter,
+        f"algorithm.dynamic_sampling.filter must be 'module:function', got {ds.filter!r}",
+    )
+    _require(
+        1 <= ds.adaptive_min_prompts <= ds.adaptive_max_prompts,
+        "algorithm.dynamic_sampling: need 1 <= adaptive_min_prompts <= adaptive_max_prompts",
+    )
+
+
+def _check_mismatch(cfg: RunConfig) -> None:
+    mm = cfg.algorithm.mismatch
+    _require(mm.tis_cap > 0.0, "algorithm.mismatch.tis_cap must be > 0")
+    _require(0.0 <= mm.seq_mask_low < mm.seq_mask_high, "algorithm.mismatch: need 0 <= seq_mask_low < seq_mask_high")
+    _require(
+        mm.early_stop_ratio is None or mm.early_stop_ratio > 0,
+        "algorithm.mismatch.early_stop_ratio must be > 0 (or null)",
+    )
 
 
 def _check_rollout(cfg: RunConfig) -> None:

@@ -24,6 +24,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [b, s] float, A_i broadcast over the response
     old_logprobs: torch.Tensor  # [b, s] float, 0 where unknown
     rollout_logprobs: torch.Tensor  # [b, s] float
+    ref_logprobs: torch.Tensor  # [b, s] float, 0 where unknown
     # Index of each row in the caller's sample list; -1 for a padding row (no loss).
     sample_index: list[int]
 
@@ -44,7 +45,7 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     per_token = {
         k: torch.zeros(b, seq_len)
-        for k in ("loss_mask", "response_mask", "advantages", "old_logprobs", "rollout_logprobs")
+        for k in ("loss_mask", "response_mask", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs")
     }
     for row, sample in enumerate(samples):
         if sample is None:
@@ -59,8 +60,9 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
         per_token["loss_mask"][row, span] = float(sample.trainable)
         per_token["advantages"][row, span] = sample.advantage
         per_token["rollout_logprobs"][row, span] = torch.tensor(sample.rollout_logprobs[:n_resp])
-        if sample.old_logprobs is not None:
-            per_token["old_logprobs"][row, span] = torch.tensor(sample.old_logprobs)
+        for key in ("old_logprobs", "ref_logprobs"):
+            if getattr(sample, key) is not None:
+                per_token[key][row, span] = torch.tensor(getattr(sample, key))
     labels = torch.roll(tokens, shifts=-1, dims=1)
     labels[:, -1] = pad_id
     position_ids = torch.arange(seq_len).expand(b, seq_len).clone()

@@ -25,8 +25,12 @@ class Sample:
     # "stop" (end-of-sequence or a stop string) or "length" (cut at max_response_len).
     finish_reason: str
     response_text: str = ""
-    # Set by scoring: the verifier's verdict, the length penalty and the total reward R_i.
+    # The RL step whose weights generated the sample (carried-over groups are older than the current step).
+    policy_step: int = 0
+    # Set by scoring: the verifier's verdict (a check past its timeout counts as wrong), the length penalty
+    # and the total reward R_i.
     correct: bool = False
+    timed_out: bool = False
     length_penalty: float = 0.0
     reward: float = 0.0
     # Set from the group: A_i, and whether the sample's tokens enter the loss (overlong filtering).
@@ -34,6 +38,8 @@ class Sample:
     trainable: bool = True
     # Set by the actor before the update: log-probs of the response under the policy that sampled it.
     old_logprobs: list[float] | None = None
+    # Set by the reference model when the KL penalty is on.
+    ref_logprobs: list[float] | None = None
 
     @property
     def truncated(self) -> bool:

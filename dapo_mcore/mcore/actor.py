@@ -1,10 +1,11 @@
-"""The policy being trained: Megatron-Core GPTModel chunks under Megatron's DDP, optimizer and schedules.
+"""The policy being trained (and the frozen reference policy): Megatron-Core GPTModel chunks under
+Megatron's schedules, DDP and optimizer.
 
 A mini-batch of samples is dealt over the data-parallel ranks and cut into micro-batches; Megatron's
-forward/backward schedule (1F1B when pipelined) runs them, our loss returns (sum, token count) per
-micro-batch, and `calculate_per_token_loss` makes Megatron divide the gradient by the mini-batch's total
-response-token count over all micro-batches and DP ranks: DAPO's token-level objective (paper eq. 10)
-whatever the split.
+forward/backward schedule (1F1B when pipelined) runs them, our loss returns (numerator, denominator) per
+micro-batch, and `calculate_per_token_loss` makes Megatron divide the gradient by the denominator summed over
+all micro-batches and DP ranks: DAPO's token-level objective (paper eq. 10), or any other aggregation mode,
+over the whole mini-batch whatever the split.
 """
 
 from __future__ import annotations
@@ -17,46 +18,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.algo.losses import clipped_policy_loss
+from dapo_mcore.algo.losses import LossSettings, dapo_loss, stat_keys
 from dapo_mcore.data.batching import MicroBatch, build_micro_batch, padded_length, split_for_data_parallel
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
 from dapo_mcore.mcore.provider import ModelSpec, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel.state import ParallelContext
+from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
 
-# Sums reduced over micro-batches, DP and PP ranks; each metric is a ratio of two of them.
-_SUM_KEYS = ("loss", "tokens", "clip_high", "clip_low", "ratio", "entropy", "response_tokens")
+_QUANTILES = (0.5, 0.9, 0.99)
 
 
 @dataclass(frozen=True)
 class ActorSettings:
-    clip_low: float
-    clip_high: float
-    temperature: float
     micro_batch_size: int
+    temperature: float
     pad_id: int
+    loss: LossSettings = LossSettings()
 
 
-class MegatronActor:
-    def __init__(
-        self,
-        ctx: ParallelContext,
-        spec: ModelSpec,
-        chunks: list[Any],
-        optimizer: Any,
-        scheduler: Any,
-        settings: ActorSettings,
-    ):
-        self.ctx, self.spec, self.chunks = ctx, spec, chunks
-        self.optimizer, self.scheduler, self.settings = optimizer, scheduler, settings
+class PolicyRunner:
+    """Forward passes of GPTModel chunks through Megatron's schedules: per-token log-probs of samples."""
+
+    def __init__(self, ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], settings: ActorSettings):
+        self.ctx, self.spec, self.chunks, self.settings = ctx, spec, chunks, settings
         self.config = unwrap(chunks[0]).config
         self._vocab_start = ctx.tp_rank * padded_vocab_size(spec.vocab_size, ctx.tp_size) // ctx.tp_size
 
-    # ----- public API -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_old_logprobs(self, samples: list[Sample], mini_batches: list[list[int]]) -> None:
-        """Fill `old_logprobs` of the samples this rank trains on (last pipeline stage only)."""
+    def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
+        """Set `sample.<attr>` for the samples this rank trains on (last pipeline stage only).
+
+        Uses the same DP split and micro-batches as training, so each rank computes exactly what it needs.
+        """
         for chunk in self.chunks:
             chunk.eval()
         seq_len = padded_length(samples)
@@ -64,39 +58,8 @@ class MegatronActor:
             micro = self._micro_batches(samples, indices, seq_len)
             outputs = self._run_schedule(micro, seq_len, forward_only=True)
             if self.ctx.is_last_stage:
-                self._store_logprobs(samples, micro, outputs)
+                _store_logprobs(samples, micro, outputs, attr)
 
-    def train_step(self, samples: list[Sample], mini_batches: list[list[int]]) -> dict[str, float]:
-        """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
-        seq_len = padded_length(samples)
-        totals = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
-        grad_norms, skipped = [], 0
-        for indices in mini_batches:
-            totals += self.compute_gradients(samples, indices, seq_len)
-            updated, grad_norm, _ = self.optimizer.step()
-            skipped += int(not updated)
-            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-        self.scheduler.step(increment=1)
-        return self._actor_metrics(totals, grad_norms, skipped, len(mini_batches))
-
-    def compute_gradients(self, samples: list[Sample], indices: list[int], seq_len: int | None = None) -> torch.Tensor:
-        """Forward/backward of one mini-batch into the DDP grad buffers (`param.main_grad`), already divided by
-        the mini-batch's token count. Returns this rank's loss/clip sums (see _SUM_KEYS)."""
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples))
-        totals = torch.zeros(len(_SUM_KEYS), dtype=torch.float64)
-        for stats in self._run_schedule(micro, micro[0].tokens.shape[1], forward_only=False):
-            totals += torch.stack([stats[k].double().cpu() for k in _SUM_KEYS])
-        return totals
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    # ----- schedule plumbing --------------------------------------------------------------------------------
     def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
         ctx, mbs = self.ctx, self.settings.micro_batch_size
         out = []
@@ -134,8 +97,7 @@ class MegatronActor:
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
         output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
-        loss_fn = self._logprob_output if forward_only else self._policy_loss
-        return output, partial(loss_fn, mb)
+        return output, partial(self._logprob_output if forward_only else self._loss, mb)
 
     def _token_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return vocab_parallel_logprobs(
@@ -147,56 +109,166 @@ class MegatronActor:
             tp_group=self.ctx.pg.tp if self.ctx.tp_size > 1 else None,
         )
 
-    def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True):
+    def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         logprobs_bs, _ = self._token_logprobs(mb, logits)
         return logprobs_bs.float().cpu()
 
-    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor):
-        logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
-        s = self.settings
-        loss_sum, n_tokens, counts = clipped_policy_loss(
-            logprobs_bs, mb.old_logprobs, mb.advantages, mb.loss_mask, s.clip_low, s.clip_high
-        )
-        stats = {
-            "loss": loss_sum.detach(),
-            "tokens": n_tokens,
-            **counts,
-            "entropy": (entropy_bs.detach() * mb.response_mask).sum(),
-            "response_tokens": mb.response_mask.sum(),
-        }
-        return loss_sum, n_tokens.to(torch.int), stats
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor):
+        raise NotImplementedError("a frozen policy has no loss")
 
-    def _store_logprobs(self, samples: list[Sample], micro: list[MicroBatch], outputs: list[torch.Tensor]) -> None:
-        for mb, logprobs_bs in zip(micro, outputs):
-            for row, index in enumerate(mb.sample_index):
-                if index < 0:
-                    continue
-                sample = samples[index]
-                start = len(sample.prompt_ids) - 1
-                sample.old_logprobs = logprobs_bs[row, start : start + len(sample.response_ids)].tolist()
+
+class MegatronActor(PolicyRunner):
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        spec: ModelSpec,
+        chunks: list[Any],
+        optimizer: Any,
+        scheduler: Any,
+        settings: ActorSettings,
+    ):
+        super().__init__(ctx, spec, chunks, settings)
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    @property
+    def sum_keys(self) -> tuple[str, ...]:
+        """The per-mini-batch sums this actor reduces: loss numerator/denominator, entropy, loss statistics."""
+        return ("loss", "denominator", "entropy", "response_tokens", *stat_keys(self.settings.loss))
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def compute_old_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], step: int) -> dict[str, float]:
+        """Fill `old_logprobs`; return train/inference metrics (same on every rank).
+
+        mismatch/*: samples generated at this step, with the weights the actor holds now, so any gap is the
+        engine's numerics. offpolicy/*: groups carried over from earlier steps, whose gap is policy lag.
+        """
+        self.fill_logprobs(samples, mini_batches, "old_logprobs")
+        fresh = [s for s in samples if s.policy_step == step]
+        stale = [s for s in samples if s.policy_step != step]
+        return {**self._logprob_gap_metrics(fresh, "mismatch"), **self._logprob_gap_metrics(stale, "offpolicy")}
+
+    def train_step(self, samples: list[Sample], mini_batches: list[list[int]]) -> dict[str, float]:
+        """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
+        seq_len = padded_length(samples)
+        totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
+        grad_norms, skipped = [], 0
+        for indices in mini_batches:
+            sums = self._reduce(self.compute_gradients(samples, indices, seq_len))
+            totals += sums
+            if sums[1] == 0:  # no loss token left (all masked or guarded): an Adam step would still move
+                skipped += 1
+                continue
+            updated, grad_norm, _ = self.optimizer.step()
+            skipped += int(not updated)
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        self.scheduler.step(increment=1)
+        return self._actor_metrics(totals, grad_norms, skipped, len(mini_batches))
+
+    def compute_gradients(self, samples: list[Sample], indices: list[int], seq_len: int | None = None) -> torch.Tensor:
+        """Forward/backward of one mini-batch into the DDP grad buffers (`param.main_grad`), already divided by
+        the mini-batch's loss denominator. Returns this rank's sums (see sum_keys), not yet reduced."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples))
+        totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
+        for stats in self._run_schedule(micro, micro[0].tokens.shape[1], forward_only=False):
+            totals += torch.stack([torch.as_tensor(stats[k]).double().cpu() for k in self.sum_keys])
+        return totals
+
+    def _loss(self, mb: MicroBatch, logits: torch.Tensor):
+        logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
+        numerator, denominator, stats = dapo_loss(
+            logprobs_bs,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            self.settings.loss,
+            entropy_BT=entropy_bs,
+            ref_logprobs_BT=mb.ref_logprobs,
+            rollout_logprobs_BT=mb.rollout_logprobs,
+        )
+        stats.update(
+            loss=numerator.detach(),
+            denominator=denominator.detach(),
+            entropy=(entropy_bs.detach() * mb.response_mask).sum(),
+            response_tokens=mb.response_mask.sum(),
+        )
+        return numerator, denominator.round().to(torch.int), stats
+
+    def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums live on the last stage of each DP replica: reduce over DP, then hand them to every stage."""
+        sums = sums.to(self.ctx.device)
+        dist.all_reduce(sums, group=self.ctx.pg.dp)
+        if self.ctx.pp_size > 1:
+            dist.all_reduce(sums, group=self.ctx.pg.pp)
+        return sums.cpu()
 
     def _actor_metrics(
         self, totals: torch.Tensor, grad_norms: list[float], skipped: int, n_updates: int
     ) -> dict[str, float]:
-        # Sums live on the last stage of each DP replica: reduce over DP, then hand them to every stage.
-        totals = totals.to(self.ctx.device)
-        dist.all_reduce(totals, group=self.ctx.pg.dp)
-        if self.ctx.pp_size > 1:
-            dist.all_reduce(totals, group=self.ctx.pg.pp)
-        t = dict(zip(_SUM_KEYS, totals.cpu().tolist()))
+        t = dict(zip(self.sum_keys, totals.tolist()))
         tokens, resp = max(t["tokens"], 1.0), max(t["response_tokens"], 1.0)
-        return {
-            "loss/policy": t["loss"] / tokens,
+        metrics = {
+            "loss/policy": t["loss"] / max(t["denominator"], 1.0),
             "actor/clip_frac_high": t["clip_high"] / tokens,
             "actor/clip_frac_low": t["clip_low"] / tokens,
+            "actor/ratio_above_high_neg_adv_frac": t["above_high_neg_adv"] / tokens,
+            "actor/ratio_below_low_pos_adv_frac": t["below_low_pos_adv"] / tokens,
             "actor/ratio_mean": t["ratio"] / tokens,
             "actor/entropy": t["entropy"] / resp,
-            "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
             "actor/lr": self.lr,
-            "actor/updates": float(n_updates),
+            "actor/updates": float(n_updates - skipped),
             "actor/skipped_updates": float(skipped),
             "actor/train_tokens": t["tokens"],
         }
+        optional = {
+            "dual_clip": ("actor/dual_clip_frac", tokens),
+            "kl": ("actor/kl", tokens),
+            "tis_weight": ("mismatch/tis_weight_mean", tokens),
+            "tis_truncated": ("mismatch/tis_truncated_frac", tokens),
+            "seq_masked": ("mismatch/seq_masked", 1.0),
+            "skipped_micro_batches": ("mismatch/skipped_micro_batches", 1.0),
+        }
+        for key, (name, divisor) in optional.items():
+            if key in t:
+                metrics[name] = t[key] / divisor
+        return metrics
+
+    def _logprob_gap_metrics(self, samples: list[Sample], prefix: str) -> dict[str, float]:
+        """|logp_train - logp_rollout| over response tokens, and quantiles of the ratio exp(train - rollout)."""
+        local = [
+            torch.tensor(s.old_logprobs) - torch.tensor(s.rollout_logprobs[: len(s.old_logprobs)])
+            for s in samples
+            if s.old_logprobs is not None and self.ctx.tp_rank == 0  # TP ranks hold the same values
+        ]
+        diff = torch.cat(all_gather_objects(torch.cat(local) if local else torch.zeros(0))).double()
+        if diff.numel() == 0:
+            return {}
+        ratio = diff.exp()
+        metrics = {
+            f"{prefix}/abs_logp_diff_mean": diff.abs().mean().item(),
+            f"{prefix}/ratio_max": ratio.max().item(),
+            f"{prefix}/ratio_min": ratio.min().item(),
+        }
+        for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
+            metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
+        return metrics
+
+
+def _store_logprobs(samples: list[Sample], micro: list[MicroBatch], outputs: list[torch.Tensor], attr: str) -> None:
+    for mb, logprobs_bs in zip(micro, outputs):
+        for row, index in enumerate(mb.sample_index):
+            if index < 0:
+                continue
+            sample = samples[index]
+            start = len(sample.prompt_ids) - 1
+            setattr(sample, attr, logprobs_bs[row, start : start + len(sample.response_ids)].tolist())
 
 
 @dataclass(frozen=True)
@@ -220,11 +292,7 @@ def build_actor(
 
     Weights must already be in `chunks`: the distributed optimizer copies them into its main parameters.
     """
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = chunks[0].config
@@ -255,6 +323,13 @@ def build_actor(
         ddp_chunks,
     )
     return MegatronActor(ctx, spec, ddp_chunks, optimizer, _lr_schedule(optimizer, opt), settings)
+
+
+def build_reference(ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], settings: ActorSettings) -> PolicyRunner:
+    """A frozen policy (the KL reference) on already-loaded chunks: no DDP, no optimizer, no gradients."""
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+    return PolicyRunner(ctx, spec, chunks, settings)
 
 
 def _lr_schedule(optimizer: Any, opt: OptimizerSettings) -> Any:

@@ -3,12 +3,13 @@
 Each generation round splits its prompts over every rank (each rank hosts an engine replica), scores its
 share locally, and all-gathers the groups so every rank holds the same batch. Rounds continue until
 `prompts_per_step` groups are kept or `max_rounds` is reached; surplus kept groups are carried into the
-next step instead of being thrown away (REFERENCE.md section 4, complaint 2).
+next step instead of being thrown away (REFERENCE.md section 4, complaint 2). At the round cap the step
+trains on what it kept (warned and logged) or stops with a clear error, as configured; it never crashes on
+the cap by accident (complaint 1). Round sizes are fixed, or follow a running keep-rate estimate.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,14 +17,18 @@ from typing import Any
 import torch
 
 from dapo_mcore.algo.advantages import group_advantages
-from dapo_mcore.algo.dynamic_sampling import keep_group_mask
-from dapo_mcore.algo.shaping import overlong_filter_mask, soft_overlong_penalty
+from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
+from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample
+from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,16 +40,26 @@ class SamplerSettings:
     top_p: float
     max_response_len: int
     seed: int
-    reward_correct: float
-    reward_wrong: float
-    adv_eps: float
-    overlong_enabled: bool
-    overlong_buffer_len: int
-    overlong_penalty_factor: float
-    overlong_filter: bool
-    dynamic_sampling: bool
-    max_rounds: int
-    on_cap: str
+    reward_correct: float = 1.0
+    reward_wrong: float = -1.0
+    adv_estimator: str = "grpo"
+    adv_eps: float = 1e-6
+    adv_batch_normalize: bool = False
+    overlong_enabled: bool = True
+    overlong_buffer_len: int = 4096
+    overlong_penalty_factor: float = 1.0
+    overlong_filter: bool = False
+    length_penalty: bool = False
+    length_penalty_coef: float = 1.0
+    length_penalty_safe_len: int = 0
+    length_penalty_max_len: int = 1
+    dynamic_sampling: bool = True
+    mode: str = "resample"
+    max_rounds: int = 10
+    on_cap: str = "train"
+    adaptive: bool = False
+    adaptive_min_prompts: int = 1
+    adaptive_max_prompts: int = 4096
 
 
 @dataclass
@@ -61,41 +76,71 @@ class DynamicSamplingCapError(DapoError):
     pass
 
 
+def correctness_spread(group: Group) -> bool:
+    """The default filter: the group's verifier scores differ (0 < accuracy < 1, paper eq. 11)."""
+    return bool(keep_group_mask(torch.tensor([[s.correct for s in group.samples]]))[0])
+
+
 class RolloutSampler:
     def __init__(
         self,
         engine: RolloutEngine,
         tokenizer: Any,
         prompts: PromptStream,
-        verifier: Callable[[str, str], bool],
+        verify: Callable[[list[tuple[str, str]]], list[Verdict]],
         settings: SamplerSettings,
         rank: int,
         world_size: int,
         all_gather: Callable[[Any], list[Any]],
+        keep_filter: Callable[[Group], bool] = correctness_spread,
     ):
-        self.engine, self.tokenizer, self.prompts, self.verifier = engine, tokenizer, prompts, verifier
+        self.engine, self.tokenizer, self.prompts, self.verify = engine, tokenizer, prompts, verify
         self.settings, self.rank, self.world_size, self.all_gather = settings, rank, world_size, all_gather
+        self.keep_filter = keep_filter
         self.carry: list[Group] = []
+        self.keep_rate = KeepRateEstimator()
 
     def next_batch(self, step: int, timer: PhaseTimer, on_round: Callable[[], None] = lambda: None) -> RolloutBatch:
         cfg = self.settings
         kept, generated = list(self.carry), []
         rounds = 0
-        while len(kept) < cfg.prompts_per_step and rounds < cfg.max_rounds:
-            groups = self._generate_round(step, rounds, timer)
+        while self._needs_round(len(kept), rounds):
+            groups = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
+            keep = self._keep_mask(groups)
+            self.keep_rate.observe(len(groups), sum(keep))
             generated += groups
-            kept += [g for g, keep in zip(groups, self._keep_mask(groups)) if keep]
+            kept += [g for g, k in zip(groups, keep) if k]
             rounds += 1
             on_round()
-        self._handle_cap(kept, step)
+        cap_hit = cfg.mode == "resample" and self._handle_cap(kept, step)
         batch_groups, self.carry = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
+        if cfg.mode == "dynamic_batch":
+            self.carry = []  # AReaL's dynamic batch: this round's accepted groups only
         self._assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
+        metrics["dynamic_sampling/cap_hit"] = float(cap_hit)
+        metrics["dynamic_sampling/keep_rate_estimate"] = self.keep_rate.rate if self.keep_rate.rate is not None else 1.0
         return RolloutBatch(groups=batch_groups, metrics=metrics)
 
-    def _generate_round(self, step: int, round_idx: int, timer: PhaseTimer) -> list[Group]:
+    def _needs_round(self, n_kept: int, rounds: int) -> bool:
         cfg = self.settings
-        prompts = self.prompts.take(cfg.gen_prompts_per_round)  # identical on every rank
+        if cfg.mode == "dynamic_batch":
+            return rounds == 0
+        return n_kept < cfg.prompts_per_step and (cfg.max_rounds <= 0 or rounds < cfg.max_rounds)
+
+    def _round_size(self, n_kept: int) -> int:
+        cfg = self.settings
+        if cfg.mode == "dynamic_batch":
+            return cfg.prompts_per_step
+        if not cfg.adaptive:
+            return cfg.gen_prompts_per_round
+        return self.keep_rate.round_size(
+            cfg.prompts_per_step - n_kept, cfg.adaptive_min_prompts, cfg.adaptive_max_prompts
+        )
+
+    def _generate_round(self, step: int, round_idx: int, n_prompts: int, timer: PhaseTimer) -> list[Group]:
+        cfg = self.settings
+        prompts = self.prompts.take(n_prompts)  # identical on every rank
         mine = prompts[self.rank :: self.world_size]
         params = SamplingParams(
             n=cfg.n_samples_per_prompt,
@@ -105,14 +150,14 @@ class RolloutSampler:
             seed=derive_seed(cfg.seed, step, round_idx, self.rank),
         )
         with timer.phase("generate"):
-            groups = self._generate(mine, params)
+            groups = self._generate(mine, params, step)
         with timer.phase("reward"):
             self._score(groups)
         gathered = self.all_gather(groups)
         # Undo the round-robin split so every rank sees the groups in prompt order.
         return [gathered[i % self.world_size][i // self.world_size] for i in range(len(prompts))]
 
-    def _generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Group]:
+    def _generate(self, prompts: list[Prompt], params: SamplingParams, step: int) -> list[Group]:
         if not prompts:
             return []
         prompt_ids = [self.tokenizer(p.text).input_ids for p in prompts]
@@ -127,6 +172,7 @@ class RolloutSampler:
                         rollout_logprobs=c.logprobs,
                         finish_reason=c.finish_reason,
                         response_text=c.text,
+                        policy_step=step,
                     )
                     for c in completions
                 ],
@@ -135,60 +181,74 @@ class RolloutSampler:
         ]
 
     def _score(self, groups: list[Group]) -> None:
-        cfg = self.settings
         samples = [s for g in groups for s in g.samples]
         if not samples:
             return
-        for g in groups:
-            for s in g.samples:
-                s.correct = self.verifier(s.response_text, g.prompt.answer)
-        lengths_B = torch.tensor([len(s.response_ids) for s in samples])
-        penalty_B = torch.zeros(len(samples))
-        if cfg.overlong_enabled:
-            penalty_B = soft_overlong_penalty(
-                lengths_B, cfg.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
-            )
+        verdicts = self.verify([(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
+        for s, verdict in zip(samples, verdicts):
+            s.correct, s.timed_out = verdict.correct, verdict.timed_out
+        penalty_B = self._length_penalty(torch.tensor([len(s.response_ids) for s in samples]))
         trainable_B = torch.ones(len(samples))
-        if cfg.overlong_filter:
+        if self.settings.overlong_filter:
             trainable_B = overlong_filter_mask(torch.tensor([s.truncated for s in samples]))
+        cfg = self.settings
         for s, penalty, trainable in zip(samples, penalty_B.tolist(), trainable_B.tolist()):
             s.length_penalty = penalty
             s.reward = (cfg.reward_correct if s.correct else cfg.reward_wrong) + penalty
             s.trainable = bool(trainable)
 
-    def _keep_mask(self, groups: list[Group]) -> list[bool]:
-        if not self.settings.dynamic_sampling or not groups:
-            return [True] * len(groups)
-        correct_GN = torch.tensor([[s.correct for s in g.samples] for g in groups])
-        return keep_group_mask(correct_GN).tolist()
+    def _length_penalty(self, lengths_B: torch.Tensor) -> torch.Tensor:
+        cfg = self.settings
+        penalty_B = torch.zeros(lengths_B.shape)
+        if cfg.overlong_enabled:
+            penalty_B += soft_overlong_penalty(
+                lengths_B, cfg.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+            )
+        if cfg.length_penalty:
+            penalty_B += linear_length_penalty(
+                lengths_B, cfg.length_penalty_safe_len, cfg.length_penalty_max_len, cfg.length_penalty_coef
+            )
+        return penalty_B
 
-    def _handle_cap(self, kept: list[Group], step: int) -> None:
+    def _keep_mask(self, groups: list[Group]) -> list[bool]:
+        if not self.settings.dynamic_sampling:
+            return [True] * len(groups)
+        return [bool(self.keep_filter(g)) for g in groups]
+
+    def _handle_cap(self, kept: list[Group], step: int) -> bool:
+        """True when the round cap left the batch short (logged), or a DynamicSamplingCapError in strict mode."""
         cfg = self.settings
         if len(kept) >= cfg.prompts_per_step:
-            return
+            return False
         message = (
             f"step {step}: dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups after "
             f"{cfg.max_rounds} rounds (algorithm.dynamic_sampling.max_rounds)"
         )
-        if cfg.on_cap == "error" or not kept:
-            raise DynamicSamplingCapError(message + ("; no group to train on" if not kept else ""))
-        warnings.warn(message + "; training on the kept groups", stacklevel=2)
+        if cfg.on_cap == "error":
+            raise DynamicSamplingCapError(message + "; stopping as algorithm.dynamic_sampling.on_cap=error asks")
+        log.warning(
+            message + ("; training on the kept groups" if kept else "; no group to train on, the step makes no update")
+        )
+        return True
 
     def _assign_advantages(self, groups: list[Group]) -> None:
         samples = [s for g in groups for s in g.samples]
         if not samples:
             return
+        cfg = self.settings
         rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         group_B = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.samples])
-        for s, adv in zip(samples, group_advantages(rewards_B, group_B, self.settings.adv_eps).tolist()):
+        advantages_B = group_advantages(rewards_B, group_B, cfg.adv_eps, cfg.adv_estimator, cfg.adv_batch_normalize)
+        for s, adv in zip(samples, advantages_B.tolist()):
             s.advantage = adv
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict(), "carry": self.carry}
+        return {"prompts": self.prompts.state_dict(), "carry": self.carry, "keep_rate": self.keep_rate.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.carry = list(state["carry"])
+        self.keep_rate.load_state_dict(state["keep_rate"])
 
 
 def _rollout_metrics(
@@ -198,23 +258,30 @@ def _rollout_metrics(
         "dynamic_sampling/kept_groups": float(len(batch)),
         "dynamic_sampling/rounds": float(rounds),
         "dynamic_sampling/carried_groups": float(carried),
+        "dynamic_sampling/generated_groups": float(len(generated)),
     }
     samples = [s for g in generated for s in g.samples]
     if not samples:  # the step trained on groups carried over from the previous one
         return metrics
     n = len(samples)
-    accuracies = [g.accuracy for g in generated]
+    lengths = [len(s.response_ids) for s in samples]
     metrics.update(
         {
             "rollout/accuracy": sum(s.correct for s in samples) / n,
             "rollout/reward_mean": sum(s.reward for s in samples) / n,
-            "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+            "rollout/response_len_mean": sum(lengths) / n,
+            "rollout/response_len_max": float(max(lengths)),
             "rollout/truncated_frac": sum(s.truncated for s in samples) / n,
             "rollout/length_penalty_mean": sum(s.length_penalty for s in samples) / n,
             "rollout/generated_samples": float(n),
+            "reward/timeouts": float(sum(s.timed_out for s in samples)),
         }
     )
+    if cfg.overlong_enabled:
+        zone_start = cfg.max_response_len - cfg.overlong_buffer_len
+        metrics["rollout/overlong_zone_frac"] = sum(length > zone_start for length in lengths) / n
     if cfg.dynamic_sampling:
-        metrics["dynamic_sampling/dropped_all_correct"] = float(sum(a == 1.0 for a in accuracies))
-        metrics["dynamic_sampling/dropped_all_wrong"] = float(sum(a == 0.0 for a in accuracies))
+        accuracies = [g.accuracy for g in generated]
+        metrics["dynamic_sampling/all_correct_groups"] = float(sum(a == 1.0 for a in accuracies))
+        metrics["dynamic_sampling/all_wrong_groups"] = float(sum(a == 0.0 for a in accuracies))
     return metrics

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_mcore.algo.losses import LOSS_AGG_MODES
 from tests.conftest import run_torchrun
 from tests.helpers import random_samples, save_tiny_model
 
@@ -17,15 +18,18 @@ WORKER = Path(__file__).parent / "workers" / "actor_grads.py"
 GRAD_ATOL, LOGPROB_ATOL, LOSS_RTOL = 1e-6, 1e-5, 1e-6
 
 
-def run_layout(hf_dir, out_dir, tp=1, pp=1, nproc=1, sizes="4"):
-    out = out_dir / f"tp{tp}_pp{pp}_n{nproc}_{sizes.replace(',', '-')}.pt"
+ALL_MODES = ",".join(LOSS_AGG_MODES)
+
+
+def run_layout(hf_dir, out_dir, tp=1, pp=1, nproc=1, sizes="4", modes="token-mean"):
+    out = out_dir / f"tp{tp}_pp{pp}_n{nproc}_{sizes.replace(',', '-')}_{len(modes)}.pt"
     run_torchrun(WORKER, nproc, str(hf_dir), str(out), "--tp", str(tp), "--pp", str(pp),
-                 "--micro-batch-sizes", sizes)
+                 "--micro-batch-sizes", sizes, "--loss-agg-modes", modes)
     return torch.load(out)
 
 
-def assert_same(result, reference, mbs=4):
-    got, want = result["runs"][mbs], reference["runs"][4]
+def assert_same(result, reference, run="token-mean/4", reference_run="token-mean/4"):
+    got, want = result["runs"][run], reference["runs"][reference_run]
     assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL)
     assert set(got["grads"]) == set(want["grads"])
     for name, grad in want["grads"].items():
@@ -38,7 +42,7 @@ def assert_same(result, reference, mbs=4):
 def llama(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     hf_dir = save_tiny_model(out / "hf", "llama", layers=2)
-    return hf_dir, out, run_layout(hf_dir, out, sizes="4,8,16")
+    return hf_dir, out, run_layout(hf_dir, out, sizes="4,8,16", modes=ALL_MODES)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +53,23 @@ def llama_layout(llama):
 
     def get(tp, pp, nproc):
         if (tp, pp, nproc) not in cache:
-            cache[tp, pp, nproc] = run_layout(hf_dir, out, tp=tp, pp=pp, nproc=nproc)
+            modes = ALL_MODES if (tp, pp) == (1, 1) else "token-mean"  # DP=2 checks every aggregation mode
+            cache[tp, pp, nproc] = run_layout(hf_dir, out, tp=tp, pp=pp, nproc=nproc, modes=modes)
         return cache[tp, pp, nproc]
 
     return get
 
 
-def test_gradient_is_the_same_for_1_2_and_4_micro_batches(llama):
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gradient_is_the_same_for_1_2_and_4_micro_batches(llama, mode):
     _, _, single = llama
     for mbs in (8, 16):
-        assert_same({"runs": {4: single["runs"][mbs]}, "logprobs": single["logprobs"]}, single)
+        assert_same(single, single, run=f"{mode}/{mbs}", reference_run=f"{mode}/4")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_every_loss_aggregation_is_the_same_at_dp2(llama, llama_layout, mode):
+    assert_same(llama_layout(1, 1, 2), llama[2], run=f"{mode}/4", reference_run=f"{mode}/4")
 
 
 @pytest.mark.parametrize("tp, pp, nproc", [(2, 1, 2), (1, 2, 2), (2, 2, 4), (1, 1, 2)],
@@ -95,5 +106,5 @@ def test_megatron_logprobs_equal_hf_transformers_on_the_same_weights(llama):
 def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):
     hf_dir = save_tiny_model(tmp_path / "hf", "qwen3", tie=True, layers=2)
     single = run_layout(hf_dir, tmp_path)
-    assert "lm_head.weight" not in single["runs"][4]["grads"]  # tied: one tensor, both contributions
+    assert "lm_head.weight" not in single["runs"]["token-mean/4"]["grads"]  # tied: one tensor, both contributions
     assert_same(run_layout(hf_dir, tmp_path, tp=2, pp=2, nproc=4), single)

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from dapo_mcore.config import load_config
+from dapo_mcore.config.presets import COMPONENTS_OFF
 from tests.conftest import REPO, free_port
 
 REQUIRED_METRICS = (
@@ -36,7 +37,7 @@ SHORT = [
 ]
 
 
-def cli(*args, launcher=(), timeout=600):
+def cli(*args, launcher=(), timeout=600, expect=0):
     cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
     proc = subprocess.run(
         cmd,
@@ -46,7 +47,7 @@ def cli(*args, launcher=(), timeout=600):
         timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
@@ -62,6 +63,9 @@ def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
     for row in rows:
         assert set(REQUIRED_METRICS) <= set(row), set(REQUIRED_METRICS) - set(row)
         assert 0.0 <= row["rollout/accuracy"] <= 1.0 and row["dynamic_sampling/kept_groups"] <= 4
+        # The engine samples with the weights pushed after the last update: fresh samples' log-probs agree
+        # with the actor's to fp32 round-off (observed ~1e-7). A stale or partial push shows up here.
+        assert row["mismatch/abs_logp_diff_mean"] < 1e-5 and abs(row["mismatch/ratio_max"] - 1) < 1e-3
     resolved = load_config(run_dir / "config.yaml")
     assert resolved.trainer.steps == 3 and resolved == load_config(
         "examples/smoke_cpu.yaml", SHORT + [f"logging.run_dir={run_dir}"]
@@ -108,3 +112,65 @@ def test_two_process_run_under_torchrun(tmp_path, layout):
     rows = read_rows(run_dir)
     assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 for r in rows)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["tensor_model_parallel_size"] in (1, 2)
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENTS_OFF))
+def test_smoke_recipe_runs_with_each_dapo_component_off(tmp_path, component):
+    run_dir = tmp_path / "run"
+    cli(
+        "train",
+        "examples/smoke_cpu.yaml",
+        *SHORT,
+        "trainer.steps=2",
+        *COMPONENTS_OFF[component],
+        f"logging.run_dir={run_dir}",
+        "logging.wandb.mode=disabled",
+    )
+    rows = read_rows(run_dir)
+    assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 for r in rows)
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved == load_config(
+        "examples/smoke_cpu.yaml",
+        COMPONENTS_OFF[component]
+        + SHORT
+        + ["trainer.steps=2", f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled"],
+    )
+    if component == "dynamic_sampling":
+        assert "dynamic_sampling/all_correct_groups" not in rows[0]
+
+
+def test_round_cap_continues_by_default_and_stops_cleanly_in_strict_mode(tmp_path):
+    common = [
+        "train",
+        "examples/smoke_cpu.yaml",
+        *SHORT,
+        "trainer.steps=2",
+        "logging.wandb.mode=disabled",
+        "algorithm.dynamic_sampling.filter=tests.verifiers:drop_every_group",
+        "algorithm.dynamic_sampling.max_rounds=2",
+    ]
+    proc = cli(*common, f"logging.run_dir={tmp_path}/lenient")
+    rows = read_rows(tmp_path / "lenient")
+    assert [(r["dynamic_sampling/kept_groups"], r["dynamic_sampling/cap_hit"]) for r in rows] == [(0.0, 1.0)] * 2
+    assert "no group to train on" in proc.stderr
+    proc = cli(*common, f"logging.run_dir={tmp_path}/strict", "algorithm.dynamic_sampling.on_cap=error", expect=2)
+    assert "Traceback" not in proc.stderr
+    assert "dapo-mcore: error: step 0: dynamic sampling kept 0 of 4 groups after 2 rounds" in proc.stderr
+
+
+def test_a_reward_check_that_never_returns_does_not_hang_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    cli(
+        "train",
+        "examples/smoke_cpu.yaml",
+        *SHORT,
+        "trainer.steps=1",
+        f"logging.run_dir={run_dir}",
+        "logging.wandb.mode=disabled",
+        "algorithm.reward.verifier=tests.verifiers:hang_on_hmm",
+        "algorithm.reward.timeout_s=0.5",
+        "algorithm.reward.workers=4",
+        timeout=300,
+    )
+    (row,) = read_rows(run_dir)
+    assert row["reward/timeouts"] > 0  # the demo model pads some answers with "hmm, "

@@ -30,8 +30,7 @@ def build(hf_dir, tp, pp, mbs):
     load_hf_weights(chunks, hf_dir, family, ctx.tp_rank, tp)
     opt = OptimizerSettings(lr=1e-3, min_lr=0.0, warmup_steps=0, total_steps=1, weight_decay=0.0, clip_grad=0.0,
                             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=False)
-    actor = build_actor(ctx, spec, chunks, opt, ActorSettings(clip_low=0.2, clip_high=0.28, temperature=0.9,
-                                                              micro_batch_size=mbs, pad_id=0))
+    actor = build_actor(ctx, spec, chunks, opt, ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0))
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
 
@@ -39,14 +38,14 @@ def loss_of(ctx, totals):
     totals = totals.clone()
     dist.all_reduce(totals, group=ctx.pg.dp)
     dist.all_reduce(totals, group=ctx.pg.pp)
-    return (totals[0] / totals[1]).item()  # _SUM_KEYS: loss, tokens, ...
+    return (totals[0] / totals[1]).item()  # sum_keys: loss numerator, denominator, ...
 
 
 def token_logprobs(ctx, actor, samples):
     fresh = copy.deepcopy(samples)
     for s in fresh:
         s.old_logprobs = None
-    actor.compute_old_logprobs(fresh, [list(range(len(fresh)))])
+    actor.fill_logprobs(fresh, [list(range(len(fresh)))], "old_logprobs")
     mine = {i: s.old_logprobs for i, s in enumerate(fresh) if s.old_logprobs is not None}
     merged = {}
     for part in all_gather_objects(mine):
@@ -61,6 +60,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--micro-batch-sizes", default="4")
+    ap.add_argument("--loss-agg-modes", default="token-mean")
     ap.add_argument("--samples", type=int, default=16)
     args = ap.parse_args()
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
@@ -68,11 +68,13 @@ def main():
     samples = random_samples(args.samples, seed=7)
     result = {"logprobs": token_logprobs(ctx, actor, samples), "runs": {},
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
-    for mbs in sizes:
-        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs)
-        totals = actor.compute_gradients(samples, list(range(len(samples))))
-        grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
-        result["runs"][mbs] = {"loss": loss_of(ctx, totals), "grads": grads}
+    for mode in args.loss_agg_modes.split(","):
+        for mbs in sizes:
+            loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
+            actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss)
+            totals = actor.compute_gradients(samples, list(range(len(samples))))
+            grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
+            result["runs"][f"{mode}/{mbs}"] = {"loss": loss_of(ctx, totals), "grads": grads}
     if ctx.rank == 0:
         torch.save(result, args.out)
     destroy_parallel()

@@ -1,0 +1,244 @@
+"""Building a run's pieces from the config tree: the only place that turns config sections into the plain
+settings the components take (DESIGN.md rule 2), so components never read the config object."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo_mcore.algo.losses import LossSettings
+from dapo_mcore.checkpoint.convert import LlamaFamilyMap
+from dapo_mcore.checkpoint.hf_io import load_hf_weights
+from dapo_mcore.config import RunConfig, dump_config, validate
+from dapo_mcore.config.loader import config_to_dict
+from dapo_mcore.data.datasets import PromptStream, build_prompt_source
+from dapo_mcore.mcore.actor import (
+    ActorSettings,
+    MegatronActor,
+    OptimizerSettings,
+    PolicyRunner,
+    build_actor,
+    build_reference,
+)
+from dapo_mcore.mcore.provider import (
+    ModelSpec,
+    build_gpt_chunks,
+    build_transformer_config,
+    check_model_layout,
+    load_hf_config,
+    read_model_spec,
+    resolve_transformer_impl,
+)
+from dapo_mcore.parallel import ParallelContext, all_gather_objects, init_parallel
+from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.base import RolloutEngine
+from dapo_mcore.rollout.registry import create_engine
+from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
+from dapo_mcore.utils.imports import import_callable
+from dapo_mcore.utils.logging import get_logger, setup_logging
+from dapo_mcore.utils.metrics_log import MetricsWriter
+from dapo_mcore.utils.progress import RunProgress
+from dapo_mcore.weight_sync import WeightExporter
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    ctx: ParallelContext
+    run_dir: Path
+    actor: MegatronActor
+    reference: PolicyRunner | None  # only when the KL penalty is on
+    engine: RolloutEngine
+    exporter: WeightExporter
+    sampler: RolloutSampler
+    verifiers: VerifierPool
+    writer: MetricsWriter | None  # rank 0 only
+    progress: RunProgress
+
+
+def build_run(cfg: RunConfig) -> Run:
+    setup_logging(int(os.environ.get("RANK", "0")))
+    validate(cfg)
+    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    check_model_layout(spec, tp, pp)  # before any process group or allocation
+    ctx = init_parallel(tp, pp, cfg.parallel.device, cfg.parallel.timeout_minutes, seed=cfg.trainer.seed)
+    run_dir = prepare_run_dir(cfg, ctx)
+    tokenizer = load_tokenizer(cfg.model.hf_path)
+    settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
+    chunks, family = load_policy_chunks(cfg, ctx, spec)
+    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
+    reference = None
+    if cfg.algorithm.kl.beta > 0.0:  # the paper has no KL term: then no reference model is built or run
+        reference = build_reference(ctx, spec, load_policy_chunks(cfg, ctx, spec)[0], settings)
+    engine = create_engine(cfg.rollout.engine, **engine_kwargs(cfg, ctx))
+    exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
+    reward = cfg.algorithm.reward
+    verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
+    sampler = build_sampler(cfg, ctx, engine, tokenizer, verifiers)
+    writer = None
+    if ctx.rank == 0:
+        writer = MetricsWriter(
+            run_dir, cfg.logging.wandb.mode, cfg.logging.wandb.project, cfg.name, config_to_dict(cfg)
+        )
+    progress = RunProgress(enabled=ctx.rank == 0 and cfg.logging.progress, total_steps=cfg.trainer.steps)
+    return Run(cfg, ctx, run_dir, actor, reference, engine, exporter, sampler, verifiers, writer, progress)
+
+
+def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> tuple[list[Any], LlamaFamilyMap]:
+    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu)
+    tconfig = build_transformer_config(
+        spec, tp=ctx.tp_size, pp=ctx.pp_size, dtype=cfg.model.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+    )
+    torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
+    chunks = build_gpt_chunks(
+        spec,
+        tconfig,
+        pg=ctx.pg,
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+        use_te=use_te,
+        tp=ctx.tp_size,
+    )
+    family = LlamaFamilyMap(spec, te_layer_names=use_te)
+    if cfg.model.init == "hf":
+        load_hf_weights(chunks, cfg.model.hf_path, family, ctx.tp_rank, ctx.tp_size)
+    return chunks, family
+
+
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    algo = cfg.algorithm
+    mm = algo.mismatch
+    return LossSettings(
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c,
+        agg_mode=algo.loss_agg,
+        norm_len=algo.loss_norm_len or cfg.rollout.sampling.max_response_len,
+        kl_beta=algo.kl.beta,
+        kl_estimator=algo.kl.estimator,
+        entropy_coeff=algo.entropy_coeff,
+        tis=mm.tis,
+        tis_cap=mm.tis_cap,
+        seq_mask_low=mm.seq_mask_low,
+        seq_mask_high=mm.seq_mask_high,
+        early_stop_ratio=mm.early_stop_ratio,
+    )
+
+
+def actor_settings(cfg: RunConfig, pad_id: int) -> ActorSettings:
+    return ActorSettings(
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        temperature=cfg.rollout.sampling.temperature,
+        pad_id=pad_id,
+        loss=loss_settings(cfg),
+    )
+
+
+def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
+    opt = cfg.optimizer
+    return OptimizerSettings(
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        warmup_steps=opt.warmup_steps,
+        total_steps=cfg.trainer.steps,
+        weight_decay=opt.weight_decay,
+        clip_grad=opt.clip_grad,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def engine_kwargs(cfg: RunConfig, ctx: ParallelContext) -> dict[str, Any]:
+    # Weights arrive from the actor before the first generate, so the engine skips loading its own.
+    return {"model_path": cfg.model.hf_path, "device": str(ctx.device), "dtype": cfg.model.dtype, "load_weights": False}
+
+
+def sampler_settings(cfg: RunConfig) -> SamplerSettings:
+    ro, algo = cfg.rollout, cfg.algorithm
+    over, linear, ds = algo.overlong, algo.length_penalty, algo.dynamic_sampling
+    return SamplerSettings(
+        n_samples_per_prompt=ro.n_samples_per_prompt,
+        prompts_per_step=ro.prompts_per_step,
+        gen_prompts_per_round=ro.gen_prompts_per_round,
+        temperature=ro.sampling.temperature,
+        top_p=ro.sampling.top_p,
+        max_response_len=ro.sampling.max_response_len,
+        seed=ro.seed,
+        reward_correct=algo.reward.correct,
+        reward_wrong=algo.reward.wrong,
+        adv_estimator=algo.advantage.estimator,
+        adv_eps=algo.advantage.eps,
+        adv_batch_normalize=algo.advantage.batch_normalize,
+        overlong_enabled=over.enabled,
+        overlong_buffer_len=over.buffer_len,
+        overlong_penalty_factor=over.penalty_factor,
+        overlong_filter=over.filter_truncated,
+        length_penalty=linear.enabled,
+        length_penalty_coef=linear.coef,
+        length_penalty_safe_len=linear.safe_len,
+        length_penalty_max_len=linear.max_len,
+        dynamic_sampling=ds.enabled,
+        mode=ds.mode,
+        max_rounds=ds.max_rounds,
+        on_cap=ds.on_cap,
+        adaptive=ds.adaptive,
+        adaptive_min_prompts=ds.adaptive_min_prompts,
+        adaptive_max_prompts=ds.adaptive_max_prompts,
+    )
+
+
+def build_sampler(
+    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, tokenizer: Any, verifiers: VerifierPool
+) -> RolloutSampler:
+    data = cfg.data
+    source = build_prompt_source(
+        data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
+    )
+    filter_spec = cfg.algorithm.dynamic_sampling.filter
+    keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
+    return RolloutSampler(
+        engine,
+        tokenizer,
+        PromptStream(source, data.seed),
+        verifiers.verify,
+        sampler_settings(cfg),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        all_gather=all_gather_objects,
+        keep_filter=keep_filter,
+    )
+
+
+def load_tokenizer(hf_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext) -> Path:
+    """Create the run directory (rank 0), moving a previous run's files aside rather than overwriting."""
+    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+    if ctx.rank == 0:
+        if (run_dir / "metrics.jsonl").exists():
+            kept = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(run_dir), str(kept))
+            log.warning("run directory %s held an earlier run; moved it to %s", run_dir, kept)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
+        log.info("run directory: %s", run_dir)
+    torch.distributed.barrier()
+    return run_dir

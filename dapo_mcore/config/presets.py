@@ -1,0 +1,21 @@
+"""Named override sets: DAPO with one component removed at a time, and plain GRPO (the paper's baseline).
+
+Used by tools/ablation.py and by the test that runs the smoke recipe with each component off.
+"""
+
+from __future__ import annotations
+
+# Each DAPO component and the overrides that switch it off (back to what GRPO does).
+COMPONENTS_OFF: dict[str, list[str]] = {
+    "clip_higher": ["algorithm.clip_high=0.2"],  # symmetric clip, eps = 0.2
+    "token_level_loss": ["algorithm.loss_agg=seq-mean-token-mean"],  # GRPO's per-sequence mean
+    "dynamic_sampling": ["algorithm.dynamic_sampling.enabled=false"],
+    "overlong_shaping": ["algorithm.overlong.enabled=false"],
+    "dual_clip": ["algorithm.dual_clip_c=null"],
+}
+
+ABLATIONS: dict[str, list[str]] = {
+    "dapo": [],
+    "grpo": [override for name in COMPONENTS_OFF for override in COMPONENTS_OFF[name]],
+    **{f"no_{name}": overrides for name, overrides in COMPONENTS_OFF.items()},
+}
