@@ -79,6 +79,11 @@ def build_run(cfg: RunConfig) -> Run:
     reference = None
     if cfg.algorithm.kl.beta > 0.0:  # the paper has no KL term: then no reference model is built or run
         reference = build_reference(ctx, spec, load_policy_chunks(cfg, ctx, spec)[0], settings)
+        log.info(
+            "KL penalty on (beta=%g, %s): reference model built", cfg.algorithm.kl.beta, cfg.algorithm.kl.estimator
+        )
+    else:
+        log.info("KL penalty off (algorithm.kl.beta=0): no reference model")
     engine = create_engine(cfg.rollout.engine, **engine_kwargs(cfg, ctx))
     exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
     reward = cfg.algorithm.reward

@@ -23,6 +23,11 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     # Initialisation seed for init="random".
     init_seed: int = 1234
+    # Per-token log-probs and entropies straight from hidden states at response positions, a chunk of
+    # tokens at a time: never [tokens x vocab] fp32 logits. false: full logits from Megatron's output layer.
+    fused_logprobs: bool = True
+    # Tokens per chunk of the fused computation (peak extra memory ~ 3 x chunk x vocab/TP x 4 bytes).
+    logprob_chunk_size: int = 1024
 
 
 @dataclass

@@ -23,6 +23,7 @@ def _check_model(cfg: RunConfig) -> None:
     _require(bool(cfg.model.hf_path), "model.hf_path is empty: name a Hugging Face model directory")
     config_json = Path(cfg.model.hf_path) / "config.json"
     _require(config_json.is_file(), f"model.hf_path: no config.json at {config_json}")
+    _require(cfg.model.logprob_chunk_size >= 1, "model.logprob_chunk_size must be >= 1")
 
 
 def _check_algorithm(cfg: RunConfig) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dapo_mcore.algo.losses import LossSettings, dapo_loss, stat_keys
 from dapo_mcore.data.batching import MicroBatch, build_micro_batch, padded_length, split_for_data_parallel
 from dapo_mcore.data.types import Sample
+from dapo_mcore.mcore.fused_logprobs import chunked_logprobs, install_passthrough_head, output_weight
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
 from dapo_mcore.mcore.provider import ModelSpec, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
@@ -35,6 +36,10 @@ class ActorSettings:
     temperature: float
     pad_id: int
     loss: LossSettings = LossSettings()
+    # Log-probs from hidden states at response positions, chunk tokens at a time (mcore/fused_logprobs.py);
+    # False: Megatron's output layer gives full logits and mcore/logprobs.py reduces them.
+    fused_logprobs: bool = True
+    logprob_chunk_size: int = 1024
 
 
 class PolicyRunner:
@@ -44,6 +49,10 @@ class PolicyRunner:
         self.ctx, self.spec, self.chunks, self.settings = ctx, spec, chunks, settings
         self.config = unwrap(chunks[0]).config
         self._vocab_start = ctx.tp_rank * padded_vocab_size(spec.vocab_size, ctx.tp_size) // ctx.tp_size
+        self._tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
+        self._head = unwrap(chunks[-1])  # the last model chunk holds the output layer on the last stage
+        if settings.fused_logprobs and ctx.is_last_stage:
+            install_passthrough_head(self._head, ctx.pg.tp)
 
     @torch.no_grad()
     def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
@@ -99,14 +108,32 @@ class PolicyRunner:
         output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
         return output, partial(self._logprob_output if forward_only else self._loss, mb)
 
-    def _token_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return vocab_parallel_logprobs(
-            logits,
-            mb.labels,
+    def _token_logprobs(self, mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, s] log-probs and entropies of the labels; the model output is logits, or hidden states when fused."""
+        if not self.settings.fused_logprobs:
+            return vocab_parallel_logprobs(
+                output,
+                mb.labels,
+                vocab_start=self._vocab_start,
+                true_vocab=self.spec.vocab_size,
+                temperature=self.settings.temperature,
+                tp_group=self._tp_group,
+            )
+        rows, cols = mb.response_mask.nonzero(as_tuple=True)  # only response positions are ever scored
+        logp_N, entropy_N = chunked_logprobs(
+            output[rows, cols],
+            output_weight(self._head),
+            mb.labels[rows, cols],
             vocab_start=self._vocab_start,
             true_vocab=self.spec.vocab_size,
             temperature=self.settings.temperature,
-            tp_group=self.ctx.pg.tp if self.ctx.tp_size > 1 else None,
+            tp_group=self._tp_group,
+            chunk=self.settings.logprob_chunk_size,
+        )
+        shape = mb.labels.shape
+        return (
+            logp_N.new_zeros(shape).index_put((rows, cols), logp_N),
+            entropy_N.new_zeros(shape).index_put((rows, cols), entropy_N),
         )
 
     def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:

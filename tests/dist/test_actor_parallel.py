@@ -21,10 +21,10 @@ GRAD_ATOL, LOGPROB_ATOL, LOSS_RTOL = 1e-6, 1e-5, 1e-6
 ALL_MODES = ",".join(LOSS_AGG_MODES)
 
 
-def run_layout(hf_dir, out_dir, tp=1, pp=1, nproc=1, sizes="4", modes="token-mean"):
-    out = out_dir / f"tp{tp}_pp{pp}_n{nproc}_{sizes.replace(',', '-')}_{len(modes)}.pt"
-    run_torchrun(WORKER, nproc, str(hf_dir), str(out), "--tp", str(tp), "--pp", str(pp),
-                 "--micro-batch-sizes", sizes, "--loss-agg-modes", modes)
+def run_layout(hf_dir, out_dir, tp=1, pp=1, nproc=1, sizes="4", modes="token-mean", naive=False):
+    out = out_dir / f"tp{tp}_pp{pp}_n{nproc}_{sizes.replace(',', '-')}_{len(modes)}{'_naive' * naive}.pt"
+    args = ["--tp", str(tp), "--pp", str(pp), "--micro-batch-sizes", sizes, "--loss-agg-modes", modes]
+    run_torchrun(WORKER, nproc, str(hf_dir), str(out), *args, *(["--naive-logprobs"] if naive else []))
     return torch.load(out)
 
 
@@ -76,6 +76,14 @@ def test_every_loss_aggregation_is_the_same_at_dp2(llama, llama_layout, mode):
                          ids=["tp2", "pp2", "tp2xpp2", "dp2"])
 def test_layout_matches_the_single_process_run(llama, llama_layout, tp, pp, nproc):
     assert_same(llama_layout(tp, pp, nproc), llama[2])
+
+
+@pytest.mark.parametrize("tp, nproc", [(1, 1), (2, 2)], ids=["tp1", "tp2"])
+def test_fused_logprob_head_equals_full_logits(llama, tp, nproc):
+    """The chunked head (5-token chunks here) against Megatron's output layer + full-vocab log-softmax."""
+    hf_dir, out, single = llama
+    fused = single if tp == 1 else run_layout(hf_dir, out, tp=tp, nproc=nproc)
+    assert_same(fused, run_layout(hf_dir, out, tp=tp, nproc=nproc, naive=True))
 
 
 @pytest.mark.parametrize("tp, pp, nproc", [(2, 2, 4)], ids=["tp2xpp2"])

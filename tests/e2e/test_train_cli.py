@@ -174,3 +174,14 @@ def test_a_reward_check_that_never_returns_does_not_hang_the_run(tmp_path):
     )
     (row,) = read_rows(run_dir)
     assert row["reward/timeouts"] > 0  # the demo model pads some answers with "hmm, "
+
+
+def test_kl_penalty_builds_a_reference_model_only_when_beta_is_positive(tmp_path):
+    common = ["train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", "logging.wandb.mode=disabled"]
+    proc = cli(*common, f"logging.run_dir={tmp_path}/kl", "algorithm.kl.beta=0.1", "algorithm.kl.estimator=mse")
+    assert "reference model built" in proc.stderr
+    rows = read_rows(tmp_path / "kl")
+    # two updates per step: the reference equals the policy only before the first one
+    assert 0.0 < rows[0]["actor/kl"] < rows[1]["actor/kl"]
+    proc = cli(*common, f"logging.run_dir={tmp_path}/nokl")
+    assert "no reference model" in proc.stderr and "actor/kl" not in read_rows(tmp_path / "nokl")[0]

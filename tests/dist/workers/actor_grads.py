@@ -20,7 +20,7 @@ from dapo_mcore.weight_sync import WeightExporter
 from tests.helpers import random_samples
 
 
-def build(hf_dir, tp, pp, mbs):
+def build(hf_dir, tp, pp, mbs, fused=True):
     ctx = init_parallel(tp, pp, "cpu")
     spec = read_model_spec(load_hf_config(hf_dir))
     config = build_transformer_config(spec, tp=tp, pp=pp, dtype="float32", on_cpu=True, use_te=False)
@@ -30,7 +30,9 @@ def build(hf_dir, tp, pp, mbs):
     load_hf_weights(chunks, hf_dir, family, ctx.tp_rank, tp)
     opt = OptimizerSettings(lr=1e-3, min_lr=0.0, warmup_steps=0, total_steps=1, weight_decay=0.0, clip_grad=0.0,
                             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=False)
-    actor = build_actor(ctx, spec, chunks, opt, ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0))
+    # chunk=5 tokens: many chunks per micro-batch, so the chunk loop itself is exercised
+    settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=fused, logprob_chunk_size=5)
+    actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
 
@@ -61,10 +63,11 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--micro-batch-sizes", default="4")
     ap.add_argument("--loss-agg-modes", default="token-mean")
+    ap.add_argument("--naive-logprobs", action="store_true", help="full logits instead of the fused head")
     ap.add_argument("--samples", type=int, default=16)
     args = ap.parse_args()
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
-    ctx, actor, exporter = build(args.hf_dir, args.tp, args.pp, sizes[0])
+    ctx, actor, exporter = build(args.hf_dir, args.tp, args.pp, sizes[0], fused=not args.naive_logprobs)
     samples = random_samples(args.samples, seed=7)
     result = {"logprobs": token_logprobs(ctx, actor, samples), "runs": {},
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
