@@ -11,7 +11,7 @@ between the markers <!-- ablation:begin --> and <!-- ablation:end --> of --out; 
 
 Columns: steps until the 5-step moving average of accuracy first reaches --target; final accuracy and
 response length (mean of the last 5 steps); generated samples per trained sample (the cost of dynamic
-sampling); wall time. Each is the mean ± std over seeds.
+sampling). Each is the mean ± std over seeds.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ def run_one(config: str, variant: str, seed: int, runs_dir: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
-    (run_dir / "wall_s.txt").write_text(f"{time.time() - start:.1f}\n")
     print(f"{variant:>22} seed {seed}: {time.time() - start:.0f} s", flush=True)
     return run_dir
 
@@ -68,13 +67,11 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
     reached = next((i + 1 for i, a in enumerate(moving) if i >= WINDOW - 1 and a >= target), None)
     generated = sum(r.get("rollout/generated_samples", 0.0) for r in rows)
     trained = sum(r["dynamic_sampling/kept_groups"] * group_size for r in rows)
-    wall = run_dir / "wall_s.txt"
     return {
         "steps_to_target": reached,
         "final_accuracy": statistics.mean(acc[-WINDOW:]),
         "final_length": statistics.mean(lengths[-WINDOW:]),
         "generated_per_trained": generated / max(trained, 1),
-        "wall_s": float(wall.read_text()) if wall.exists() else None,
         "accuracy": acc,
         "length": lengths,
     }
