@@ -90,16 +90,15 @@ def mean_std(values: list[float | None], fmt: str) -> str:
 
 def table(results: dict[str, list[dict]], target: float) -> str:
     lines = [
-        f"| variant | steps to accuracy {target} | final accuracy | final length | generated / trained | wall s |",
-        "|---|---|---|---|---|---|",
+        f"| variant | steps to accuracy {target} | final accuracy | final length | generated / trained |",
+        "|---|---|---|---|---|",
     ]
     for variant, runs in results.items():
         lines.append(
             f"| {variant} | {mean_std([r['steps_to_target'] for r in runs], '{:.1f}')} | "
             f"{mean_std([r['final_accuracy'] for r in runs], '{:.3f}')} | "
             f"{mean_std([r['final_length'] for r in runs], '{:.1f}')} | "
-            f"{mean_std([r['generated_per_trained'] for r in runs], '{:.2f}')} | "
-            f"{mean_std([r['wall_s'] for r in runs], '{:.0f}')} |"
+            f"{mean_std([r['generated_per_trained'] for r in runs], '{:.2f}')} |"
         )
     return "\n".join(lines)
 
