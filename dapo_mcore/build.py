@@ -68,9 +68,14 @@ def build_run(cfg: RunConfig) -> Run:
     setup_logging(int(os.environ.get("RANK", "0")))
     validate(cfg)
     spec = read_model_spec(load_hf_config(cfg.model.hf_path))
-    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    check_model_layout(spec, tp, pp)  # before any process group or allocation
-    ctx = init_parallel(tp, pp, cfg.parallel.device, cfg.parallel.timeout_minutes, seed=cfg.trainer.seed)
+    par = cfg.parallel
+    tp, pp, vpp = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.virtual_pipeline_model_parallel_size,
+    )
+    check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
+    ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
     run_dir = prepare_run_dir(cfg, ctx)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
@@ -101,18 +106,17 @@ def build_run(cfg: RunConfig) -> Run:
 def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> tuple[list[Any], LlamaFamilyMap]:
     use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu)
     tconfig = build_transformer_config(
-        spec, tp=ctx.tp_size, pp=ctx.pp_size, dtype=cfg.model.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+        spec,
+        tp=ctx.tp_size,
+        pp=ctx.pp_size,
+        dtype=cfg.model.dtype,
+        on_cpu=ctx.is_cpu,
+        use_te=use_te,
+        vpp=ctx.vpp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel,
     )
     torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
-    chunks = build_gpt_chunks(
-        spec,
-        tconfig,
-        pg=ctx.pg,
-        pre_process=ctx.is_first_stage,
-        post_process=ctx.is_last_stage,
-        use_te=use_te,
-        tp=ctx.tp_size,
-    )
+    chunks = build_gpt_chunks(spec, tconfig, ctx=ctx, use_te=use_te)
     family = LlamaFamilyMap(spec, te_layer_names=use_te)
     if cfg.model.init == "hf":
         load_hf_weights(chunks, cfg.model.hf_path, family, ctx.tp_rank, ctx.tp_size)
@@ -145,6 +149,9 @@ def actor_settings(cfg: RunConfig, pad_id: int) -> ActorSettings:
         temperature=cfg.rollout.sampling.temperature,
         pad_id=pad_id,
         loss=loss_settings(cfg),
+        fused_logprobs=cfg.model.fused_logprobs,
+        logprob_chunk_size=cfg.model.logprob_chunk_size,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
     )
 
 

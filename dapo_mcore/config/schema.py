@@ -34,6 +34,10 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline rank (interleaved 1F1B); 1 disables it. Layers must divide by PP x VPP.
+    virtual_pipeline_model_parallel_size: int = 1
+    # Split activations outside the TP regions along the sequence (needs TP > 1).
+    sequence_parallel: bool = False
     # Megatron's distributed optimizer shards optimizer state over data-parallel ranks.
     use_distributed_optimizer: bool = True
     # "auto": CUDA with NCCL when a GPU is visible, else the CPU mode (gloo, fp32 only).
@@ -197,6 +201,9 @@ class TrainerConfig:
     mini_batch_size: int = 512
     # Responses per forward/backward micro-batch on one data-parallel rank.
     micro_batch_size: int = 4
+    # > 0: build micro-batches by a token budget (rows x padded length <= this) instead of micro_batch_size,
+    # and balance data-parallel ranks by token count.
+    max_tokens_per_micro_batch: int = 0
     # Seed of the torch RNG used by the actor (dropout, random init).
     seed: int = 42
 

@@ -106,7 +106,15 @@ def _check_rollout(cfg: RunConfig) -> None:
 
 
 def _check_batches(cfg: RunConfig) -> None:
-    tr = cfg.trainer
+    tr, par = cfg.trainer, cfg.parallel
+    _require(tr.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch must be >= 0")
+    _require(
+        par.virtual_pipeline_model_parallel_size >= 1, "parallel.virtual_pipeline_model_parallel_size must be >= 1"
+    )
+    _require(
+        not par.sequence_parallel or par.tensor_model_parallel_size > 1,
+        "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1",
+    )
     _require(tr.steps >= 1, f"trainer.steps must be >= 1, got {tr.steps}")
     _require(tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1")
     _require(

@@ -33,10 +33,17 @@ class MicroBatch:
         return MicroBatch(**moved)
 
 
+def sample_tokens(sample: Sample) -> int:
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def padded_length(samples: list[Sample], multiple: int = 8) -> int:
     """One sequence length for a whole mini-batch, so pipeline stages exchange same-shape tensors."""
-    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    return -(-longest // multiple) * multiple
+    return round_up(max(sample_tokens(s) for s in samples), multiple)
 
 
 def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len: int, pad_id: int) -> MicroBatch:
@@ -81,3 +88,31 @@ def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micr
     n_micro = max(1, -(-per_rank // micro_batch_size))
     padded = local + [-1] * (n_micro * micro_batch_size - len(local))
     return [padded[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n_micro)]
+
+
+def balance_by_tokens(indices: list[int], lengths: list[int], dp_size: int) -> list[list[int]]:
+    """Deal samples to DP ranks so their token counts are as equal as greedy can make them (longest first,
+    each to the least-loaded rank). Deterministic: ties go to the lower rank and the earlier sample."""
+    loads, parts = [0] * dp_size, [[] for _ in range(dp_size)]
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        parts[rank].append(i)
+        loads[rank] += lengths[i]
+    return parts
+
+
+def token_budget_micro_batches(
+    indices: list[int], lengths: list[int], max_tokens: int, multiple: int = 8
+) -> list[list[int]]:
+    """Micro-batches whose padded size (rows x longest row, rounded up to `multiple`) stays within
+    max_tokens. Samples go longest first, so each micro-batch pads little; a sample longer than the budget
+    gets a micro-batch of its own."""
+    batches: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        if batches:
+            longest = round_up(lengths[batches[-1][0]], multiple)  # the first row is the longest
+            if longest * (len(batches[-1]) + 1) <= max_tokens:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
+    return batches

@@ -10,6 +10,7 @@ over the whole mini-batch whatever the split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +20,16 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.algo.losses import LossSettings, dapo_loss, stat_keys
-from dapo_mcore.data.batching import MicroBatch, build_micro_batch, padded_length, split_for_data_parallel
+from dapo_mcore.data.batching import (
+    MicroBatch,
+    balance_by_tokens,
+    build_micro_batch,
+    padded_length,
+    round_up,
+    sample_tokens,
+    split_for_data_parallel,
+    token_budget_micro_batches,
+)
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.fused_logprobs import chunked_logprobs, install_passthrough_head, output_weight
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
@@ -40,6 +50,9 @@ class ActorSettings:
     # False: Megatron's output layer gives full logits and mcore/logprobs.py reduces them.
     fused_logprobs: bool = True
     logprob_chunk_size: int = 1024
+    # > 0: micro-batches hold at most this many (padded) tokens, and DP ranks get equal token counts;
+    # 0: micro_batch_size rows each.
+    max_tokens_per_micro_batch: int = 0
 
 
 class PolicyRunner:
@@ -50,6 +63,8 @@ class PolicyRunner:
         self.config = unwrap(chunks[0]).config
         self._vocab_start = ctx.tp_rank * padded_vocab_size(spec.vocab_size, ctx.tp_size) // ctx.tp_size
         self._tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
+        # Sequence parallelism splits the sequence over TP ranks: lengths must divide by TP.
+        self._multiple = math.lcm(8, ctx.tp_size) if self.config.sequence_parallel else 8
         self._head = unwrap(chunks[-1])  # the last model chunk holds the output layer on the last stage
         if settings.fused_logprobs and ctx.is_last_stage:
             install_passthrough_head(self._head, ctx.pg.tp)
@@ -62,32 +77,56 @@ class PolicyRunner:
         """
         for chunk in self.chunks:
             chunk.eval()
-        seq_len = padded_length(samples)
+        seq_len = padded_length(samples, self._multiple)
         for indices in mini_batches:
             micro = self._micro_batches(samples, indices, seq_len)
-            outputs = self._run_schedule(micro, seq_len, forward_only=True)
+            outputs = self._run_schedule(micro, forward_only=True)
             if self.ctx.is_last_stage:
                 _store_logprobs(samples, micro, outputs, attr)
 
     def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
-        ctx, mbs = self.ctx, self.settings.micro_batch_size
-        out = []
-        for rows in split_for_data_parallel(indices, ctx.dp_size, ctx.dp_rank, mbs):
-            picked = [samples[i] if i >= 0 else None for i in rows]
-            out.append(build_micro_batch(picked, rows, seq_len, self.settings.pad_id).to(ctx.device))
-        return out
+        """This rank's micro-batches of the mini-batch `indices`: (rows, padded length) plans, built."""
+        ctx, settings = self.ctx, self.settings
+        if settings.max_tokens_per_micro_batch:
+            lengths = [sample_tokens(s) for s in samples]
+            mine = balance_by_tokens(indices, lengths, ctx.dp_size)[ctx.dp_rank]
+            batches = token_budget_micro_batches(mine, lengths, settings.max_tokens_per_micro_batch, self._multiple)
+            plans = [(rows, round_up(lengths[rows[0]], self._multiple)) for rows in batches]
+            if ctx.pp_size > 1:
+                plans = _one_shape(plans)
+        else:
+            plans = [
+                (rows, seq_len)
+                for rows in split_for_data_parallel(indices, ctx.dp_size, ctx.dp_rank, settings.micro_batch_size)
+            ]
+        # An empty share still runs the schedule (it takes part in the collectives); the interleaved schedule
+        # needs whole groups of pp micro-batches. Padding rows carry no loss.
+        n_padding = max(1 - len(plans), 0)
+        if ctx.vpp_size > 1:
+            n_padding = -(len(plans) + n_padding) % ctx.pp_size + n_padding
+        pad_rows = [-1] * (len(plans[0][0]) if plans and not settings.max_tokens_per_micro_batch else 1)
+        plans += [(pad_rows, plans[0][1] if plans else self._multiple)] * n_padding
+        return [
+            build_micro_batch([samples[i] if i >= 0 else None for i in rows], rows, length, settings.pad_id).to(
+                ctx.device
+            )
+            for rows, length in plans
+        ]
 
-    def _run_schedule(self, micro: list[MicroBatch], seq_len: int, forward_only: bool) -> list[Any]:
+    def _run_schedule(self, micro: list[MicroBatch], forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        forward_backward = get_forward_backward_func(pp_size=self.ctx.pp_size, vp_size=None)
+        vpp = self.ctx.vpp_size
+        forward_backward = get_forward_backward_func(pp_size=self.ctx.pp_size, vp_size=vpp if vpp > 1 else None)
         return forward_backward(
             forward_step_func=partial(self._forward_step, forward_only=forward_only),
-            data_iterator=iter(micro),
+            # each model chunk reads every micro-batch once (the first for tokens, the last for the loss)
+            data_iterator=[iter(micro) for _ in self.chunks] if vpp > 1 else iter(micro),
             model=self.chunks,
             num_microbatches=len(micro),
-            seq_length=seq_len,
-            micro_batch_size=self.settings.micro_batch_size,
+            # fixed shapes for pipeline sends unless config.variable_seq_lengths (token budgets)
+            seq_length=micro[0].tokens.shape[1],
+            micro_batch_size=micro[0].tokens.shape[0],
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
             **self._schedule_groups(),
@@ -179,7 +218,7 @@ class MegatronActor(PolicyRunner):
 
     def train_step(self, samples: list[Sample], mini_batches: list[list[int]]) -> dict[str, float]:
         """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
-        seq_len = padded_length(samples)
+        seq_len = padded_length(samples, self._multiple)
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for indices in mini_batches:
@@ -201,9 +240,9 @@ class MegatronActor(PolicyRunner):
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples))
+        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples, self._multiple))
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
-        for stats in self._run_schedule(micro, micro[0].tokens.shape[1], forward_only=False):
+        for stats in self._run_schedule(micro, forward_only=False):
             totals += torch.stack([torch.as_tensor(stats[k]).double().cpu() for k in self.sum_keys])
         return totals
 
@@ -286,6 +325,17 @@ class MegatronActor(PolicyRunner):
         for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
             metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
         return metrics
+
+
+def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """Pad (rows, length) plans to one shape: pipeline stages then send fixed-shape tensors.
+
+    Megatron's variable-shape p2p (config.variable_seq_lengths) exchanges shapes with one batched
+    isend/irecv; at PP=2 a rank's previous and next stage are the same peer, and on gloo the two shape
+    messages were paired the wrong way round. Padding rows carry no loss, so only compute is spent.
+    """
+    rows_max, length_max = max(len(rows) for rows, _ in plans), max(length for _, length in plans)
+    return [(rows + [-1] * (rows_max - len(rows)), length_max) for rows, _ in plans]
 
 
 def _store_logprobs(samples: list[Sample], micro: list[MicroBatch], outputs: list[torch.Tensor], attr: str) -> None:

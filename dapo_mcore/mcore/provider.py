@@ -94,13 +94,13 @@ def _expect(hf: dict[str, Any], key: str, supported: Any) -> None:
         raise ConfigError(f"config.json {key}={hf[key]!r} is not supported (expected {supported!r})")
 
 
-def check_model_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1) -> None:
     """Refuse a layout the model cannot be split into, before anything is allocated."""
     for what, count, size, key in (
         ("attention heads", spec.num_heads, tp, "tensor_model_parallel_size"),
         ("key/value heads", spec.num_kv_heads, tp, "tensor_model_parallel_size"),
         ("FFN width", spec.ffn_hidden_size, tp, "tensor_model_parallel_size"),
-        ("layers", spec.num_layers, pp, "pipeline_model_parallel_size"),
+        ("layers", spec.num_layers, pp * vpp, "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"),
     ):
         if count % size:
             raise LayoutError(f"the model's {count} {what} do not split over parallel.{key}={size}")
@@ -113,7 +113,15 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def build_transformer_config(
-    spec: ModelSpec, *, tp: int, pp: int, dtype: str, on_cpu: bool, use_te: bool, seed: int = 1234
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    dtype: str,
+    on_cpu: bool,
+    use_te: bool,
+    vpp: int = 1,
+    sequence_parallel: bool = False,
 ) -> Any:
     from megatron.core.transformer import TransformerConfig
 
@@ -138,6 +146,8 @@ def build_transformer_config(
         attention_dropout=0.0,
         init_method_std=spec.init_std,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch_dtype,
         params_dtype=torch_dtype,
@@ -151,6 +161,10 @@ def build_transformer_config(
         persist_layer_norm=use_te,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
+        # gloo matches point-to-point messages by peer and order; the interleaved (VPP) 1F1B schedule's
+        # batched isend/irecv then pairs activations with gradients of the same shape (wrong results from
+        # the third micro-batch on, seen with PP=2 x VPP=2). Unbatched p2p keeps a fixed order.
+        batch_p2p_comm=not on_cpu,
         perform_initialization=True,
         # DAPO's token-level loss: the schedule sums token counts, finalize_model_grads divides by them.
         calculate_per_token_loss=True,
@@ -178,31 +192,47 @@ def resolve_transformer_impl(choice: str, on_cpu: bool) -> bool:
     return available
 
 
-def build_gpt_chunks(
-    spec: ModelSpec, config: Any, *, pg: Any, pre_process: bool, post_process: bool, use_te: bool, tp: int
-) -> list[Any]:
-    """The model chunks this rank holds (one per virtual pipeline stage; one without VPP)."""
+def _sequence_parallel_local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -> Any:
+    """The local spec's block with SP-capable norms (Megatron's torch norm refuses sequence parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from dapo_mcore.mcore.norms import SequenceParallelRMSNorm, with_sequence_parallel_norms
+
+    layers_per_chunk = spec.num_layers // (ctx.pp_size * ctx.vpp_size)
+    return TransformerBlockSubmodules(
+        layer_specs=[with_sequence_parallel_norms(layer_spec, LNImpl)] * layers_per_chunk,
+        layer_norm=SequenceParallelRMSNorm,
+    )
+
+
+def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) -> list[Any]:
+    """The model chunks this rank holds: one per virtual pipeline stage (one without VPP)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    layer_spec = (
-        get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-        if use_te
-        else get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(spec.vocab_size, tp),
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=spec.rope_theta,
-        pg_collection=pg,
-    )
-    return [model]
+    if use_te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
+        if config.sequence_parallel:
+            layer_spec = _sequence_parallel_local_block(spec, layer_spec, ctx)
+    return [
+        GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=padded_vocab_size(spec.vocab_size, ctx.tp_size),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ctx.chunk_has_embedding(chunk),
+            post_process=ctx.chunk_has_head(chunk),
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            pg_collection=ctx.pg,
+            vp_stage=chunk if ctx.vpp_size > 1 else None,
+        )
+        for chunk in range(ctx.vpp_size)
+    ]

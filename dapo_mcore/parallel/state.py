@@ -31,6 +31,8 @@ class ParallelContext:
     tp_size: int
     pp_rank: int
     pp_size: int
+    # Virtual pipeline stages (model chunks) per rank; 1 without interleaving.
+    vpp_size: int
     dp_rank: int
     dp_size: int
     # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ...).
@@ -46,6 +48,14 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    def chunk_has_embedding(self, chunk: int) -> bool:
+        """Model chunk `chunk` of this rank is the first virtual stage of the whole pipeline."""
+        return self.is_first_stage and chunk == 0
+
+    def chunk_has_head(self, chunk: int) -> bool:
+        """Model chunk `chunk` of this rank is the last virtual stage of the whole pipeline."""
+        return self.is_last_stage and chunk == self.vpp_size - 1
+
     @property
     def is_cpu(self) -> bool:
         return self.device.type == "cpu"
@@ -57,8 +67,12 @@ class ParallelContext:
         )
 
 
-def check_layout(world_size: int, tp: int, pp: int) -> int:
+def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1) -> int:
     """The data-parallel size of a layout, or a LayoutError that says what does not divide."""
+    if vpp > 1 and pp < 2:
+        raise LayoutError(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2"
+        )
     for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if size < 1:
             raise LayoutError(f"parallel.{name} must be >= 1, got {size}")
@@ -98,13 +112,13 @@ def _quiet_benign_warnings(on_cpu: bool) -> None:
 
 
 def init_parallel(
-    tp: int, pp: int, device_preference: str = "auto", timeout_minutes: int = 30, seed: int = 0
+    tp: int, pp: int, device_preference: str = "auto", timeout_minutes: int = 30, seed: int = 0, vpp: int = 1
 ) -> ParallelContext:
     """Start torch.distributed (torchrun's env, or a one-process group) and Megatron's model parallel groups."""
     device = resolve_device(device_preference)
     _quiet_benign_warnings(device.type == "cpu")
     _ensure_process_group(device, timeout_minutes)
-    dp = check_layout(dist.get_world_size(), tp, pp)
+    dp = check_layout(dist.get_world_size(), tp, pp, vpp)
     if device.type == "cpu":
         cpu_mode.activate()
     else:
@@ -115,7 +129,10 @@ def init_parallel(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=timeout_minutes
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     ctx = ParallelContext(
@@ -126,6 +143,7 @@ def init_parallel(
         tp_size=tp,
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         pp_size=pp,
+        vpp_size=vpp,
         dp_rank=mpu.get_data_parallel_rank(),
         dp_size=dp,
         pg=ProcessGroupCollection.use_mpu_process_groups(),

@@ -38,7 +38,8 @@ def test_gradcheck():
     labels = torch.randint(0, 8, (5,))
     assert torch.autograd.gradcheck(
         lambda x, w: chunked_logprobs(x, w, labels, vocab_start=0, true_vocab=8, temperature=0.9, chunk=2),
-        (hidden, weight))
+        (hidden, weight),
+    )
 
 
 def saved_bytes(fn) -> int:

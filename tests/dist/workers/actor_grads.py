@@ -1,7 +1,13 @@
 """Worker for the parallel-layout tests (run under torchrun): the actor's loss, per-token log-probs and full
 HF-named gradients for a fixed batch, saved by rank 0 to --out.
 
-    torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 1 --micro-batch-sizes 4
+    torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
+             [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
+             [--optimizer-step --dist-opt]
+
+Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as loaded,
+         "runs": {"<mode>/<micro batch size>/<token budget>": {"loss", "grads"}},
+         "stepped": HF-named weights after one optimizer step (with --optimizer-step)}.
 """
 
 import argparse
@@ -20,18 +26,21 @@ from dapo_mcore.weight_sync import WeightExporter
 from tests.helpers import random_samples
 
 
-def build(hf_dir, tp, pp, mbs, fused=True):
-    ctx = init_parallel(tp, pp, "cpu")
-    spec = read_model_spec(load_hf_config(hf_dir))
-    config = build_transformer_config(spec, tp=tp, pp=pp, dtype="float32", on_cpu=True, use_te=False)
-    chunks = build_gpt_chunks(spec, config, pg=ctx.pg, pre_process=ctx.is_first_stage,
-                              post_process=ctx.is_last_stage, use_te=False, tp=tp)
+def build(args, mbs):
+    ctx = init_parallel(args.tp, args.pp, "cpu", vpp=args.vpp)
+    spec = read_model_spec(load_hf_config(args.hf_dir))
+    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype="float32", on_cpu=True, use_te=False,
+                                      vpp=args.vpp, sequence_parallel=args.sp)
+    chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=False)
     family = LlamaFamilyMap(spec)
-    load_hf_weights(chunks, hf_dir, family, ctx.tp_rank, tp)
-    opt = OptimizerSettings(lr=1e-3, min_lr=0.0, warmup_steps=0, total_steps=1, weight_decay=0.0, clip_grad=0.0,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=False)
+    load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp)
+    # Adam with eps=1: the first update is ~ lr * g, linear in the gradient, so layouts can be compared to
+    # round-off (with eps=1e-8 it is ~ lr * sign(g), which turns 1e-9 gradient noise into lr-sized jumps).
+    opt = OptimizerSettings(lr=1.0, min_lr=0.0, warmup_steps=0, total_steps=1, weight_decay=0.1, clip_grad=0.05,
+                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1.0, use_distributed_optimizer=args.dist_opt)
     # chunk=5 tokens: many chunks per micro-batch, so the chunk loop itself is exercised
-    settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=fused, logprob_chunk_size=5)
+    settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=not args.naive_logprobs,
+                             logprob_chunk_size=5)
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
@@ -43,7 +52,7 @@ def loss_of(ctx, totals):
     return (totals[0] / totals[1]).item()  # sum_keys: loss numerator, denominator, ...
 
 
-def token_logprobs(ctx, actor, samples):
+def token_logprobs(actor, samples):
     fresh = copy.deepcopy(samples)
     for s in fresh:
         s.old_logprobs = None
@@ -61,23 +70,35 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true", help="sequence parallel")
     ap.add_argument("--micro-batch-sizes", default="4")
+    ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
     ap.add_argument("--naive-logprobs", action="store_true", help="full logits instead of the fused head")
+    ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
+    ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
     args = ap.parse_args()
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
-    ctx, actor, exporter = build(args.hf_dir, args.tp, args.pp, sizes[0], fused=not args.naive_logprobs)
+    ctx, actor, exporter = build(args, sizes[0])
     samples = random_samples(args.samples, seed=7)
-    result = {"logprobs": token_logprobs(ctx, actor, samples), "runs": {},
+    result = {"logprobs": token_logprobs(actor, samples), "runs": {},
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
     for mode in args.loss_agg_modes.split(","):
-        for mbs in sizes:
-            loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
-            actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss)
-            totals = actor.compute_gradients(samples, list(range(len(samples))))
-            grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
-            result["runs"][f"{mode}/{mbs}"] = {"loss": loss_of(ctx, totals), "grads": grads}
+        for budget in (int(x) for x in args.max_tokens.split(",")):
+            for mbs in sizes:
+                loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
+                actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
+                                                     max_tokens_per_micro_batch=budget)
+                totals = actor.compute_gradients(samples, list(range(len(samples))))
+                grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
+                result["runs"][f"{mode}/{mbs}/{budget}"] = {"loss": loss_of(ctx, totals), "grads": grads}
+    if args.optimizer_step:
+        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=sizes[0], max_tokens_per_micro_batch=0,
+                                             loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"))
+        actor.train_step(samples, [list(range(len(samples)))])
+        result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
     if ctx.rank == 0:
         torch.save(result, args.out)
     destroy_parallel()
