@@ -37,6 +37,8 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Llama 3 RoPE scaling factor (rope_type "llama3"); None without scaling.
+    rope_scaling_factor: float | None
     qkv_bias: bool
     qk_norm: bool
     init_std: float
@@ -55,8 +57,6 @@ def read_model_spec(hf: dict[str, Any]) -> ModelSpec:
         raise ConfigError(f"config.json model_type={model_type!r} is not supported (supported: {list(_FAMILIES)})")
     _expect(hf, "hidden_act", "silu")
     _expect(hf, "mlp_bias", False)
-    if hf.get("rope_scaling") not in (None, {}) and (hf["rope_scaling"] or {}).get("rope_type", "default") != "default":
-        raise ConfigError(f"config.json rope_scaling={hf['rope_scaling']!r} is not supported yet")
     if hf.get("use_sliding_window"):
         raise ConfigError("config.json use_sliding_window=true is not supported")
     num_heads = hf["num_attention_heads"]
@@ -76,10 +76,31 @@ def read_model_spec(hf: dict[str, Any]) -> ModelSpec:
         rope_theta=_rope_theta(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling_factor=_rope_scaling_factor(hf),
         qkv_bias=model_type == "qwen2" or attention_bias,
         qk_norm=model_type == "qwen3",
         init_std=hf.get("initializer_range", 0.02),
     )
+
+
+# Megatron-Core applies Llama 3 RoPE scaling with a configurable factor and these fixed parameters (the
+# values of Llama 3.1, 3.2 and 3.3); a config asking for others cannot be honoured.
+_LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling_factor(hf: dict[str, Any]) -> float | None:
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # transformers 5 uses the latter
+    params = hf.get(key) or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ConfigError(f"config.json {key}.rope_type={rope_type!r} is not supported (supported: default, llama3)")
+    for name, value in _LLAMA3_ROPE_FIXED.items():
+        if float(params.get(name, value)) != value:
+            raise ConfigError(f"config.json {key}.{name}={params[name]!r}: Megatron-Core's llama3 RoPE scaling "
+                              f"fixes it at {value}")
+    return float(params["factor"])
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -231,6 +252,8 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             pg_collection=ctx.pg,
             vp_stage=chunk if ctx.vpp_size > 1 else None,
         )

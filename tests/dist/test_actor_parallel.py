@@ -119,16 +119,21 @@ def test_weight_export_gives_back_the_hf_checkpoint_bit_for_bit(llama):
             assert torch.equal(result["weights"][name], tensor), name
 
 
-def test_megatron_logprobs_equal_hf_transformers_on_the_same_weights(llama):
+@pytest.mark.parametrize("family, tie", [("llama", False), ("llama3", False), ("qwen2", False), ("qwen3", True)])
+def test_megatron_logprobs_equal_hf_transformers_on_the_same_weights(llama, tmp_path, family, tie):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llama.hf_dir, dtype=torch.float32).eval()
-    for sample, mcore_lp in zip(random_samples(16, seed=7), llama.run()["logprobs"]):
+    layouts = llama if family == "llama" else Layouts(save_tiny_model(tmp_path / "hf", family, tie=tie), tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(layouts.hf_dir, dtype=torch.float32).eval()
+    for sample, mcore_lp in zip(random_samples(16, seed=7), layouts.run()["logprobs"]):
         ids = torch.tensor([sample.prompt_ids + sample.response_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1] / 0.9  # worker's temperature
         hf_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.response_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(mcore_lp), hf_lp, rtol=0, atol=LOGPROB_ATOL)
+    # RoPE frequencies exactly (at these short lengths llama3 scaling moves log-probs by only ~2e-5)
+    hf_inv_freq = model.model.rotary_emb.inv_freq.float()
+    torch.testing.assert_close(layouts.run()["rope_inv_freq"].float(), hf_inv_freq, rtol=1e-6, atol=0)
 
 
 def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):

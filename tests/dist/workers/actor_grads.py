@@ -83,7 +83,9 @@ def main():
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
     ctx, actor, exporter = build(args, sizes[0])
     samples = random_samples(args.samples, seed=7)
+    gpt = actor.chunks[0].module
     result = {"logprobs": token_logprobs(actor, samples), "runs": {},
+              "rope_inv_freq": gpt.rotary_pos_emb.inv_freq.clone() if hasattr(gpt, "rotary_pos_emb") else None,
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
     for mode in args.loss_agg_modes.split(","):
         for budget in (int(x) for x in args.max_tokens.split(",")):
