@@ -114,6 +114,11 @@ def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) ->
         use_te=use_te,
         vpp=ctx.vpp_size,
         sequence_parallel=cfg.parallel.sequence_parallel,
+        fp8=cfg.model.fp8,
+        fp8_recipe=cfg.model.fp8_recipe,
+        fp8_first_last_layers_bf16=cfg.model.fp8_first_last_layers_bf16,
+        recompute=cfg.model.recompute,
+        recompute_num_layers=cfg.model.recompute_num_layers,
     )
     torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
     chunks = build_gpt_chunks(spec, tconfig, ctx=ctx, use_te=use_te)
@@ -168,6 +173,8 @@ def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
         adam_beta2=opt.adam_beta2,
         adam_eps=opt.adam_eps,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        cpu_offload=opt.cpu_offload,
+        offload_fraction=opt.offload_fraction,
     )
 
 

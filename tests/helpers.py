@@ -13,8 +13,13 @@ from dapo_mcore.data.types import Sample
 VOCAB = 100  # the shipped char tokenizer's size
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
@@ -37,8 +42,11 @@ def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
     if family == "llama":
         return LlamaConfig(**common)
     if family == "llama3":  # Llama 3.1-style RoPE scaling with a large base
-        return LlamaConfig(rope_scaling={**LLAMA3_ROPE, "rope_theta": 500000.0}, rope_theta=500000.0,
-                           **{**common, "max_position_embeddings": 16384})
+        return LlamaConfig(
+            rope_scaling={**LLAMA3_ROPE, "rope_theta": 500000.0},
+            rope_theta=500000.0,
+            **{**common, "max_position_embeddings": 16384},
+        )
     if family == "qwen2":
         return Qwen2Config(**common)
     if family == "qwen3":

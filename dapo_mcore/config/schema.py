@@ -26,8 +26,19 @@ class ModelConfig:
     # Per-token log-probs and entropies straight from hidden states at response positions, a chunk of
     # tokens at a time: never [tokens x vocab] fp32 logits. false: full logits from Megatron's output layer.
     fused_logprobs: bool = True
-    # Tokens per chunk of the fused computation (peak extra memory ~ 3 x chunk x vocab/TP x 4 bytes).
+    # Tokens per chunk of the fused computation (peak extra memory ~ 2 x chunk x vocab/TP x 4 bytes).
     logprob_chunk_size: int = 1024
+    # FP8 matmuls through Transformer Engine (bf16 model, GPU): "e4m3" or "hybrid" (e5m2 gradients).
+    fp8: Literal["none", "e4m3", "hybrid"] = "none"
+    # Scaling recipe: "blockwise" (Hopper and newer; stable on DAPO in the peers' reports), "delayed",
+    # "tensorwise" (current scaling; reported unstable on DAPO-17k), "mxfp8" (Blackwell only).
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "blockwise"
+    # Keep the first and last transformer layer in bf16 when fp8 is on.
+    fp8_first_last_layers_bf16: bool = False
+    # Activation recompute: "selective" (core attention), "full" (whole layers), "none".
+    recompute: Literal["none", "selective", "full"] = "none"
+    # With recompute=full: layers per recomputed group (Megatron's uniform method).
+    recompute_num_layers: int = 1
 
 
 @dataclass
@@ -191,6 +202,9 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    # Keep (a fraction of) the optimizer state and step on the CPU (needs the distributed optimizer, GPU).
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
 
 @dataclass

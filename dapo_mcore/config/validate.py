@@ -24,6 +24,16 @@ def _check_model(cfg: RunConfig) -> None:
     config_json = Path(cfg.model.hf_path) / "config.json"
     _require(config_json.is_file(), f"model.hf_path: no config.json at {config_json}")
     _require(cfg.model.logprob_chunk_size >= 1, "model.logprob_chunk_size must be >= 1")
+    _require(cfg.model.recompute_num_layers >= 1, "model.recompute_num_layers must be >= 1")
+    _require(
+        cfg.model.fp8 == "none" or cfg.model.dtype == "bfloat16",
+        f"model.fp8={cfg.model.fp8} needs model.dtype=bfloat16, got {cfg.model.dtype}",
+    )
+    _require(
+        not cfg.optimizer.cpu_offload or cfg.parallel.use_distributed_optimizer,
+        "optimizer.cpu_offload needs parallel.use_distributed_optimizer=true",
+    )
+    _require(0.0 < cfg.optimizer.offload_fraction <= 1.0, "optimizer.offload_fraction must be in (0, 1]")
 
 
 def _check_algorithm(cfg: RunConfig) -> None:

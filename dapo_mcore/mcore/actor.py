@@ -360,6 +360,8 @@ class OptimizerSettings:
     adam_beta2: float
     adam_eps: float
     use_distributed_optimizer: bool
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
 
 def build_actor(
@@ -396,6 +398,8 @@ def build_actor(
             fp16=config.fp16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=opt.use_distributed_optimizer,
+            optimizer_cpu_offload=opt.cpu_offload,
+            optimizer_offload_fraction=opt.offload_fraction if opt.cpu_offload else 0.0,
         ),
         ddp_chunks,
     )

@@ -98,8 +98,9 @@ def _rope_scaling_factor(hf: dict[str, Any]) -> float | None:
         raise ConfigError(f"config.json {key}.rope_type={rope_type!r} is not supported (supported: default, llama3)")
     for name, value in _LLAMA3_ROPE_FIXED.items():
         if float(params.get(name, value)) != value:
-            raise ConfigError(f"config.json {key}.{name}={params[name]!r}: Megatron-Core's llama3 RoPE scaling "
-                              f"fixes it at {value}")
+            raise ConfigError(
+                f"config.json {key}.{name}={params[name]!r}: Megatron-Core's llama3 RoPE scaling fixes it at {value}"
+            )
     return float(params["factor"])
 
 
@@ -143,6 +144,11 @@ def build_transformer_config(
     use_te: bool,
     vpp: int = 1,
     sequence_parallel: bool = False,
+    fp8: str = "none",
+    fp8_recipe: str = "blockwise",
+    fp8_first_last_layers_bf16: bool = False,
+    recompute: str = "none",
+    recompute_num_layers: int = 1,
 ) -> Any:
     from megatron.core.transformer import TransformerConfig
 
@@ -182,6 +188,8 @@ def build_transformer_config(
         persist_layer_norm=use_te,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
+        **_precision_kwargs(fp8, fp8_recipe, fp8_first_last_layers_bf16, use_te),
+        **_recompute_kwargs(recompute, recompute_num_layers),
         # gloo matches point-to-point messages by peer and order; the interleaved (VPP) 1F1B schedule's
         # batched isend/irecv then pairs activations with gradients of the same shape (wrong results from
         # the third micro-batch on, seen with PP=2 x VPP=2). Unbatched p2p keeps a fixed order.
@@ -190,6 +198,29 @@ def build_transformer_config(
         # DAPO's token-level loss: the schedule sums token counts, finalize_model_grads divides by them.
         calculate_per_token_loss=True,
     )
+
+
+def _precision_kwargs(fp8: str, recipe: str, first_last_bf16: bool, use_te: bool) -> dict[str, Any]:
+    if fp8 == "none":
+        return {}
+    if not use_te:
+        raise ConfigError(f"model.fp8={fp8} needs Transformer Engine layers on a GPU (model.transformer_impl)")
+    if recipe == "mxfp8" and torch.cuda.get_device_capability()[0] < 10:
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(
+            f"model.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+), this one is "
+            f"{major}.{minor}; use blockwise on Hopper"
+        )
+    extra = {"num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1} if first_last_bf16 else {}
+    return {"fp8": fp8, "fp8_recipe": recipe, "first_last_layers_bf16": first_last_bf16, **extra}
+
+
+def _recompute_kwargs(recompute: str, num_layers: int) -> dict[str, Any]:
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": num_layers}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {}
 
 
 def transformer_engine_available() -> bool:

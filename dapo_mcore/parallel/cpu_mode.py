@@ -7,10 +7,15 @@ here, and only when `activate()` is called (never on a GPU run):
   2. the CUDA RNG tracker                 -> a tracker of named CPU generator states (its fork() swaps the
                                              CPU RNG state, so per-TP-rank streams still differ)
   3. factory calls with device="cuda"     -> the CPU (a TorchFunctionMode rewriting the `device` keyword,
-                                             e.g. `total_num_tokens` in pipeline_parallel/schedules.py)
+                                             e.g. `total_num_tokens` in pipeline_parallel/schedules.py); the
+                                             mode is re-entered around custom autograd Functions' backward,
+                                             which autograd runs outside it (activation recompute rebuilds
+                                             the causal mask with device="cuda" there)
   4. Tensor.cuda(), torch.cuda.synchronize() -> identity / no-op
   5. Tensor.type() strings                -> CPU tensors report 'torch.cuda.*' names, which the optimizer
                                              wrappers and clip_grads.py compare against
+  6. the "CUDA" RNG state that activation recompute saves and replays (tensor_parallel.random) -> the
+     CPU generator's state
 """
 
 from __future__ import annotations
@@ -61,6 +66,19 @@ def activate() -> None:
     _install_cpu_rng_tracker()
     _ACTIVE = _CudaToCpuDeviceMode()
     _ACTIVE.__enter__()
+    _reenter_in_custom_backward()
+
+
+def _reenter_in_custom_backward() -> None:
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with _CudaToCpuDeviceMode():
+            return original(self, *args)
+
+    BackwardCFunction.apply = apply
 
 
 def _cuda_named_type(original):
@@ -98,3 +116,6 @@ def _install_cpu_rng_tracker() -> None:
 
     mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Recompute (CheckpointFunction) snapshots the device RNG to replay dropout in backward.
+    mpu_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mpu_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)

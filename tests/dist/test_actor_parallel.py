@@ -92,6 +92,12 @@ def test_virtual_pipeline_stages_match_the_single_process_run(tmp_path):
     assert_same(layouts.run(4, tp=2, pp=2, vpp=2, max_tokens=48), reference, run="token-mean/4/48")
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_recompute_gives_the_same_gradients(llama, single, recompute):
+    assert_same(llama.run(recompute=recompute), single)
+    assert_same(llama.run(2, pp=2, recompute=recompute), single)
+
+
 def test_distributed_optimizer_step_matches_the_single_process_step(llama):
     reference = llama.run(optimizer_step=True)
     for result in (llama.run(2, optimizer_step=True, dist_opt=True), llama.run(2, tp=2, optimizer_step=True,

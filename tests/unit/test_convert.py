@@ -71,6 +71,9 @@ def test_llama3_rope_scaling_is_read_and_unsupported_parameters_are_named():
     config = tiny_hf_config("llama").to_dict()
     assert read_model_spec({**config, "rope_scaling": LLAMA3_ROPE}).rope_scaling_factor == 8.0
     assert read_model_spec(config).rope_scaling_factor is None
-    with pytest.raises(ConfigError, match=r"rope_scaling.low_freq_factor=2.0: Megatron-Core's llama3 RoPE scaling "
-                                          r"fixes it at 1.0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rope_scaling.low_freq_factor=2.0: Megatron-Core's llama3 RoPE scaling "
+        r"fixes it at 1.0",
+    ):
         read_model_spec({**config, "rope_scaling": {**LLAMA3_ROPE, "low_freq_factor": 2.0}})

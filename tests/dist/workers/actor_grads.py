@@ -30,7 +30,7 @@ def build(args, mbs):
     ctx = init_parallel(args.tp, args.pp, "cpu", vpp=args.vpp)
     spec = read_model_spec(load_hf_config(args.hf_dir))
     config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype="float32", on_cpu=True, use_te=False,
-                                      vpp=args.vpp, sequence_parallel=args.sp)
+                                      vpp=args.vpp, sequence_parallel=args.sp, recompute=args.recompute)
     chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=False)
     family = LlamaFamilyMap(spec)
     load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp)
@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--micro-batch-sizes", default="4")
     ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
