@@ -66,6 +66,11 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
     moving = [statistics.mean(acc[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(acc))]
     reached = next((i + 1 for i, a in enumerate(moving) if i >= WINDOW - 1 and a >= target), None)
     generated = sum(r.get("rollout/generated_samples", 0.0) for r in rows)
+    cumulative, total = [], 0.0
+    for r in rows:
+        if "rollout/accuracy" in r:
+            total += r.get("rollout/generated_samples", 0.0)
+            cumulative.append(total)
     trained = sum(r["dynamic_sampling/kept_groups"] * group_size for r in rows)
     return {
         "steps_to_target": reached,
@@ -73,6 +78,7 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
         "final_length": statistics.mean(lengths[-WINDOW:]),
         "generated_per_trained": generated / max(trained, 1),
         "accuracy": acc,
+        "generated": cumulative,
         "length": lengths,
     }
 
@@ -109,16 +115,21 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     for variant, runs in results.items():
+        width = 2 if variant in ("dapo", "grpo") else 1
+        steps = min(len(r["accuracy"]) for r in runs)
         for ax, key in zip(axes, ("accuracy", "length")):
-            steps = min(len(r[key]) for r in runs)
             mean = [statistics.mean(r[key][i] for r in runs) for i in range(steps)]
-            ax.plot(range(steps), mean, label=variant, linewidth=2 if variant in ("dapo", "grpo") else 1)
+            ax.plot(range(steps), mean, label=variant, linewidth=width)
+        generated = [statistics.mean(r["generated"][i] for r in runs) for i in range(steps)]
+        accuracy = [statistics.mean(r["accuracy"][i] for r in runs) for i in range(steps)]
+        axes[2].plot(generated, accuracy, label=variant, linewidth=width)
     axes[0].set_title("accuracy (mean over seeds)")
     axes[1].set_title("mean response length (tokens)")
-    for ax in axes:
-        ax.set_xlabel("RL step")
+    axes[2].set_title("accuracy vs samples generated (the same cost)")
+    for ax, xlabel in zip(axes, ("RL step", "RL step", "responses generated so far")):
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

@@ -36,8 +36,9 @@ def fused(hidden, weight, labels, chunk):
     return chunked_logprobs(hidden, weight, labels, vocab_start=0, true_vocab=weight.shape[0], chunk=chunk)
 
 
-def run_case(method: str, tokens: int, hidden_size: int, vocab: int, dtype: str, device: str, chunk: int,
-             repeats: int) -> dict:
+def run_case(
+    method: str, tokens: int, hidden_size: int, vocab: int, dtype: str, device: str, chunk: int, repeats: int
+) -> dict:
     torch.manual_seed(0)
     dt = DTYPES[dtype]
     hidden = (torch.randn(tokens, hidden_size, device=device) * 0.1).to(dt).requires_grad_()
@@ -81,27 +82,51 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         method, tokens = args.worker[0], int(args.worker[1])
-        print(json.dumps(run_case(method, tokens, args.hidden, args.vocab, args.dtype, args.device, args.chunk,
-                                  args.repeats)))
+        print(
+            json.dumps(
+                run_case(method, tokens, args.hidden, args.vocab, args.dtype, args.device, args.chunk, args.repeats)
+            )
+        )
         return
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"H={args.hidden} V={args.vocab} {args.dtype} on {device_name}, chunk={args.chunk}, forward+backward, "
-          f"peak memory beyond the inputs")
+    print(
+        f"H={args.hidden} V={args.vocab} {args.dtype} on {device_name}, chunk={args.chunk}, forward+backward, "
+        f"peak memory beyond the inputs"
+    )
     print("| T | naive s | naive peak MiB | fused s | fused peak MiB | memory naive/fused | time fused/naive |")
     print("|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         naive_row, fused_row = (measure(args, method, tokens) for method in ("naive", "fused"))
-        print(f"| {tokens} | {naive_row['seconds']:.3f} | {naive_row['peak_bytes'] / 2**20:.0f} | "
-              f"{fused_row['seconds']:.3f} | {fused_row['peak_bytes'] / 2**20:.0f} | "
-              f"{naive_row['peak_bytes'] / max(fused_row['peak_bytes'], 1):.1f}x | "
-              f"{fused_row['seconds'] / naive_row['seconds']:.2f} |", flush=True)
+        print(
+            f"| {tokens} | {naive_row['seconds']:.3f} | {naive_row['peak_bytes'] / 2**20:.0f} | "
+            f"{fused_row['seconds']:.3f} | {fused_row['peak_bytes'] / 2**20:.0f} | "
+            f"{naive_row['peak_bytes'] / max(fused_row['peak_bytes'], 1):.1f}x | "
+            f"{fused_row['seconds'] / naive_row['seconds']:.2f} |",
+            flush=True,
+        )
 
 
 def measure(args, method: str, tokens: int) -> dict:
     """One case in a fresh process (so the CPU's peak RSS belongs to that case alone)."""
-    cmd = [sys.executable, __file__, "--worker", method, str(tokens), "--hidden", str(args.hidden), "--vocab",
-           str(args.vocab), "--dtype", args.dtype, "--device", args.device, "--chunk", str(args.chunk),
-           "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        str(tokens),
+        "--hidden",
+        str(args.hidden),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--chunk",
+        str(args.chunk),
+        "--repeats",
+        str(args.repeats),
+    ]
     return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
 
 
