@@ -73,12 +73,15 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
             log_sum_exp[a:b], expected_z[a:b] = lse, sums[1]
         ctx.save_for_backward(hidden, weight, local_idx, local, log_sum_exp, expected_z)
         ctx.settings = (vocab_start, true_vocab, inv_temperature, chunk)
+        ctx.set_materialize_grads(False)  # entropy is usually only a metric: then no gradient arrives for it
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, local_idx, local, log_sum_exp, expected_z = ctx.saved_tensors
         vocab_start, true_vocab, inv_temperature, chunk = ctx.settings
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(log_sum_exp)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.promote_types(hidden.dtype, torch.float32))
         grad_weight = torch.zeros_like(weight, dtype=grad_hidden.dtype)
         for a in range(0, hidden.shape[0], chunk):
@@ -86,8 +89,11 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
             z = _chunk_logits(hidden[a:b], weight, vocab_start, true_vocab, inv_temperature)
             p = (z - log_sum_exp[a:b].unsqueeze(-1)).exp_()
             # grad_z = -p * (g_logp + g_ent * (z - E[z])), built in z's buffer: two [C, V/tp] buffers in all
-            grad_z = z.sub_(expected_z[a:b].unsqueeze(-1)).mul_(grad_entropy[a:b].unsqueeze(-1))
-            grad_z.add_(grad_logp[a:b].unsqueeze(-1)).mul_(p).neg_()
+            if grad_entropy is None:
+                grad_z = p.mul_(-grad_logp[a:b].unsqueeze(-1))
+            else:
+                grad_z = z.sub_(expected_z[a:b].unsqueeze(-1)).mul_(grad_entropy[a:b].unsqueeze(-1))
+                grad_z.add_(grad_logp[a:b].unsqueeze(-1)).mul_(p).neg_()
             del p
             grad_z.scatter_add_(-1, local_idx[a:b].unsqueeze(-1), (grad_logp[a:b] * local[a:b]).unsqueeze(-1))
             grad_z.mul_(inv_temperature)

@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Actor training throughput against Megatron-Core's own forward/backward, same model and shapes, same run.
+
+    python tools/bench_actor.py --hf examples/models/tiny-arith --seq 256 --micro-batch 8 --micro-batches 4
+    torchrun --nproc_per_node 8 tools/bench_actor.py --hf /models/Qwen2.5-7B --tp 4 --seq 4096 --dtype bfloat16
+
+For each of --steps timed steps (after --warmup): ours runs MegatronActor.compute_gradients (fused
+log-prob head + DAPO loss, Megatron schedules and DDP) on random responses filling the sequence; the
+baseline runs get_forward_backward_func() on a second GPTModel built from the same config, with Megatron's
+vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per rank (matmul FLOPs of
+forward + backward: 3x the forward's, causal attention counted at half) and the ratio ours/baseline. Use a
+config.json alone (random weights) or a full HF directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dapo_mcore.data.types import Sample
+from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
+from dapo_mcore.mcore.provider import (
+    build_gpt_chunks,
+    build_transformer_config,
+    load_hf_config,
+    read_model_spec,
+    resolve_transformer_impl,
+)
+from dapo_mcore.parallel import destroy_parallel, init_parallel
+
+BASELINE = "Megatron-Core fwd/bwd + CE (baseline)"
+
+
+def flops_per_token(spec, seq: int) -> float:
+    """Forward + backward matmul FLOPs per trained token."""
+    h, q, kv, f = (
+        spec.hidden_size,
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.ffn_hidden_size,
+    )
+    per_layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * f) + 2 * 2 * (seq / 2) * q
+    return 3 * (spec.num_layers * per_layer + 2 * h * spec.vocab_size)
+
+
+def synthetic_samples(n: int, seq: int, vocab: int, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = seq // 8
+    samples = []
+    for _ in range(n):
+        ids = torch.randint(4, vocab, (seq,), generator=g).tolist()
+        samples.append(
+            Sample(
+                prompt_ids=ids[:prompt_len],
+                response_ids=ids[prompt_len:],
+                rollout_logprobs=[-1.0] * (seq - prompt_len),
+                finish_reason="length",
+                advantage=float(torch.randn(1, generator=g)),
+                old_logprobs=[-1.0] * (seq - prompt_len),
+            )
+        )
+    return samples
+
+
+def time_steps(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def megatron_baseline(spec, config, ctx, samples, seq: int, mbs: int, use_te: bool):
+    """Megatron-Core's own loop on a second model: tokens -> GPTModel(labels) -> per-token CE."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = build_gpt_chunks(spec, config, ctx=ctx, use_te=use_te)
+    ddp = [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            module=m,
+            pg_collection=ctx.pg,
+        )
+        for m in model
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    tokens = torch.tensor([s.prompt_ids + s.response_ids for s in samples], device=ctx.device)
+    micro = [tokens[i : i + mbs] for i in range(0, len(samples), mbs)]
+    positions = torch.arange(seq, device=ctx.device).expand(mbs, seq)
+
+    def step_fn(data_iterator, module):
+        batch = next(data_iterator)
+        labels = torch.roll(batch, -1, dims=1)
+        out = module(batch, positions, None, labels=labels)  # [b, s] per-token CE
+
+        def loss(output):
+            return output.sum(), torch.tensor(output.numel(), dtype=torch.int, device=output.device), {}
+
+        return out, loss
+
+    def run():
+        for chunk in ddp:
+            chunk.zero_grad_buffer()
+        get_forward_backward_func(pp_size=ctx.pp_size)(
+            forward_step_func=step_fn,
+            data_iterator=iter(micro),
+            model=ddp,
+            num_microbatches=len(micro),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf", required=True, help="HF directory or config.json (random weights either way)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
+    ap.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    hf = Path(args.hf)
+    spec = read_model_spec(load_hf_config(hf.parent if hf.name == "config.json" else hf))
+    ctx = init_parallel(args.tp, args.pp, "auto", seed=0)
+    use_te = resolve_transformer_impl(args.transformer_impl, ctx.is_cpu)
+    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te)
+    samples = synthetic_samples(args.micro_batch * args.micro_batches * ctx.dp_size, args.seq, spec.vocab_size)
+    opt = OptimizerSettings(
+        lr=1e-5,
+        min_lr=0.0,
+        warmup_steps=0,
+        total_steps=1,
+        weight_decay=0.0,
+        clip_grad=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        use_distributed_optimizer=True,
+    )
+    actor = build_actor(
+        ctx,
+        spec,
+        build_gpt_chunks(spec, config, ctx=ctx, use_te=use_te),
+        opt,
+        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0),
+    )
+    indices = list(range(len(samples)))
+    baseline_config = build_transformer_config(
+        spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+    )
+    baseline = megatron_baseline(
+        spec, baseline_config, ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
+    )
+    fused_s = time_steps(lambda: actor.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
+    naive = build_actor(
+        ctx,
+        spec,
+        build_gpt_chunks(
+            spec,
+            build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te),
+            ctx=ctx,
+            use_te=use_te,
+        ),
+        opt,
+        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, fused_logprobs=False),
+    )
+    naive_s = time_steps(lambda: naive.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
+    base_s = time_steps(baseline, args.steps, args.warmup, ctx.device)
+    report(
+        args,
+        spec,
+        ctx,
+        {
+            "dapo_mcore actor, fused log-prob head": statistics.median(fused_s),
+            "dapo_mcore actor, full-logits head": statistics.median(naive_s),
+            BASELINE: statistics.median(base_s),
+        },
+    )
+    destroy_parallel()
+
+
+def report(args, spec, ctx, seconds: dict[str, float]) -> None:
+    if ctx.rank != 0:
+        return
+    tokens = args.micro_batch * args.micro_batches * args.seq  # per data-parallel replica and step
+    per_rank = tokens / (ctx.tp_size * ctx.pp_size)
+    flops = flops_per_token(spec, args.seq) * per_rank
+    device = torch.cuda.get_device_name() if ctx.device.type == "cuda" else "CPU"
+    print(
+        f"{spec.model_type} h={spec.hidden_size} L={spec.num_layers} V={spec.vocab_size} | {ctx.describe()} | "
+        f"{device} {args.dtype} | seq {args.seq} x {args.micro_batch} x {args.micro_batches} micro-batches"
+    )
+    base = seconds[BASELINE]
+    print("| loop | s/step | tokens/s per rank | model TFLOP/s per rank | throughput vs baseline |")
+    print("|---|---|---|---|---|")
+    for name, secs in seconds.items():
+        print(f"| {name} | {secs:.3f} | {per_rank / secs:.0f} | {flops / secs / 1e12:.4f} | {base / secs:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
