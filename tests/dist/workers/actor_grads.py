@@ -27,12 +27,15 @@ from tests.helpers import random_samples
 
 
 def build(args, mbs):
-    ctx = init_parallel(args.tp, args.pp, "cpu", vpp=args.vpp)
+    ctx = init_parallel(args.tp, args.pp, args.device, vpp=args.vpp)
+    if ctx.device.type == "cuda":  # fp32 comparisons: no TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     spec = read_model_spec(load_hf_config(args.hf_dir))
-    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype="float32", on_cpu=True, use_te=False,
-                                      vpp=args.vpp, sequence_parallel=args.sp, recompute=args.recompute)
-    chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=False)
-    family = LlamaFamilyMap(spec)
+    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu,
+                                      use_te=args.te, vpp=args.vpp, sequence_parallel=args.sp,
+                                      recompute=args.recompute, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+    chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=args.te)
+    family = LlamaFamilyMap(spec, te_layer_names=args.te)
     load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp)
     # Adam with eps=1: the first update is ~ lr * g, linear in the gradient, so layouts can be compared to
     # round-off (with eps=1e-8 it is ~ lr * sign(g), which turns 1e-9 gradient noise into lr-sized jumps).
@@ -64,6 +67,14 @@ def token_logprobs(actor, samples):
     return [merged[i] for i in range(len(samples))]
 
 
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().float().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("hf_dir")
@@ -73,6 +84,11 @@ def main():
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--te", action="store_true", help="Transformer Engine layers (GPU)")
+    ap.add_argument("--fp8", default="none")
+    ap.add_argument("--fp8-recipe", default="blockwise")
     ap.add_argument("--micro-batch-sizes", default="4")
     ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
@@ -103,7 +119,7 @@ def main():
         actor.train_step(samples, [list(range(len(samples)))])
         result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
     if ctx.rank == 0:
-        torch.save(result, args.out)
+        torch.save(_to_cpu(result), args.out)
     destroy_parallel()
 
 

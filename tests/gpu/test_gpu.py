@@ -1,0 +1,98 @@
+"""GPU tier: the CUDA, Transformer Engine and FP8 paths. Every test here is skipped without CUDA (see
+tests/conftest.py); the TE and FP8 ones also without transformer_engine.
+
+The parity tests reuse the dist worker (tests/dist/workers/actor_grads.py) with --device cuda.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_mcore.mcore.provider import transformer_engine_available
+from tests.conftest import run_torchrun
+from tests.helpers import save_tiny_model
+
+WORKER = Path(__file__).parents[1] / "dist" / "workers" / "actor_grads.py"
+needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs transformer_engine")
+
+
+def run(hf_dir: Path, out: Path, *args: str) -> dict:
+    run_torchrun(WORKER, 1, str(hf_dir), str(out), *args)
+    return torch.load(out, map_location="cpu")
+
+
+def max_grad_diff(a: dict, b: dict, run: str = "token-mean/4/0") -> float:
+    return max(
+        (a["runs"][run]["grads"][k] - b["runs"][run]["grads"][k]).abs().max().item() for k in a["runs"][run]["grads"]
+    )
+
+
+def max_logprob_diff(a: dict, b: dict) -> float:
+    return max(max(abs(x - y) for x, y in zip(p, q)) for p, q in zip(a["logprobs"], b["logprobs"]))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("gpu") / "hf", "llama", layers=2)
+
+
+def test_fused_logprobs_in_bf16_on_cuda_match_fp32(tmp_path):
+    from dapo_mcore.mcore.fused_logprobs import chunked_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 512, device="cuda") * 0.5
+    weight = torch.randn(32000, 512, device="cuda") * 0.02
+    labels = torch.randint(0, 32000, (4096,), device="cuda")
+    ref_logp, ref_ent = chunked_logprobs(hidden, weight, labels, vocab_start=0, true_vocab=32000)
+    logp, ent = chunked_logprobs(hidden.bfloat16(), weight.bfloat16(), labels, vocab_start=0, true_vocab=32000)
+    assert logp.dtype == torch.float32  # reductions in fp32 whatever the matmul dtype
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=0.05)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=0.05)
+
+
+def test_actor_on_cuda_matches_the_cpu_mode_in_fp32(hf_dir, tmp_path):
+    cpu = run(hf_dir, tmp_path / "cpu.pt")
+    cuda = run(hf_dir, tmp_path / "cuda.pt", "--device", "cuda")
+    assert max_logprob_diff(cpu, cuda) < 1e-4 and max_grad_diff(cpu, cuda) < 1e-5
+
+
+@needs_te
+def test_transformer_engine_layers_match_the_local_spec(hf_dir, tmp_path):
+    local = run(hf_dir, tmp_path / "local.pt", "--device", "cuda")
+    te = run(hf_dir, tmp_path / "te.pt", "--device", "cuda", "--te")
+    assert set(te["weights"]) == set(local["weights"])  # the TE names map to the same HF tensors
+    assert max_logprob_diff(local, te) < 1e-3 and max_grad_diff(local, te) < 1e-4
+
+
+@needs_te
+def test_fp8_training_step_stays_close_to_bf16(hf_dir, tmp_path):
+    recipe = "blockwise" if torch.cuda.get_device_capability()[0] < 10 else "mxfp8"
+    bf16 = run(hf_dir, tmp_path / "bf16.pt", "--device", "cuda", "--te", "--dtype", "bfloat16")
+    fp8 = run(
+        hf_dir,
+        tmp_path / "fp8.pt",
+        "--device",
+        "cuda",
+        "--te",
+        "--dtype",
+        "bfloat16",
+        "--fp8",
+        "e4m3",
+        "--fp8-recipe",
+        recipe,
+        "--optimizer-step",
+    )
+    assert all(torch.isfinite(g).all() for g in fp8["runs"]["token-mean/4/0"]["grads"].values())
+    assert max_logprob_diff(bf16, fp8) < 0.5  # FP8 matmuls: a loose bound, but not a broken model
+
+
+def test_hf_engine_generates_on_cuda(hf_dir):
+    from dapo_mcore.rollout.base import SamplingParams
+    from dapo_mcore.rollout.hf_engine import HFEngine
+
+    engine = HFEngine.create(str(hf_dir), device="cuda", dtype="bfloat16")
+    (group,) = engine.generate([[5, 6, 7]], SamplingParams(n=4, max_new_tokens=8, seed=1))
+    assert len(group) == 4 and all(len(c.token_ids) == len(c.logprobs) <= 8 for c in group)
+    engine.release_memory()
+    engine.resume_memory()
