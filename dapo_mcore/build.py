@@ -15,6 +15,8 @@ import torch
 from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
+from dapo_mcore.checkpoint.model_checkpoint import load_model_weights, verify_complete
+from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source
@@ -40,9 +42,10 @@ from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
+from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
-from dapo_mcore.utils.metrics_log import MetricsWriter
+from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
 from dapo_mcore.utils.progress import RunProgress
 from dapo_mcore.weight_sync import WeightExporter
 
@@ -62,6 +65,16 @@ class Run:
     verifiers: VerifierPool
     writer: MetricsWriter | None  # rank 0 only
     progress: RunProgress
+    spec: ModelSpec
+    checkpoints: CheckpointManager
+    resume: Resume | None  # the save this run continues from
+
+
+@dataclass(frozen=True)
+class Resume:
+    path: Path
+    step: int  # the next step to run
+    run_state: dict[str, Any]
 
 
 def build_run(cfg: RunConfig) -> Run:
@@ -76,7 +89,12 @@ def build_run(cfg: RunConfig) -> Run:
     )
     check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
-    run_dir = prepare_run_dir(cfg, ctx)
+    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+    checkpoints = CheckpointManager(
+        cfg.checkpoint.dir or run_dir / "checkpoints", ctx, cfg.checkpoint.keep_last, hf_assets_from=cfg.model.hf_path
+    )
+    resume = find_resume(cfg, checkpoints, run_dir)
+    prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
     chunks, family = load_policy_chunks(cfg, ctx, spec)
@@ -96,11 +114,27 @@ def build_run(cfg: RunConfig) -> Run:
     sampler = build_sampler(cfg, ctx, engine, tokenizer, verifiers)
     writer = None
     if ctx.rank == 0:
+        run_id = resume.run_state.get("wandb_run_id") if resume else None
         writer = MetricsWriter(
-            run_dir, cfg.logging.wandb.mode, cfg.logging.wandb.project, cfg.name, config_to_dict(cfg)
+            run_dir, cfg.logging.wandb.mode, cfg.logging.wandb.project, cfg.name, config_to_dict(cfg), run_id=run_id
         )
     progress = RunProgress(enabled=ctx.rank == 0 and cfg.logging.progress, total_steps=cfg.trainer.steps)
-    return Run(cfg, ctx, run_dir, actor, reference, engine, exporter, sampler, verifiers, writer, progress)
+    return Run(
+        cfg,
+        ctx,
+        run_dir,
+        actor,
+        reference,
+        engine,
+        exporter,
+        sampler,
+        verifiers,
+        writer,
+        progress,
+        spec,
+        checkpoints,
+        resume,
+    )
 
 
 def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> tuple[list[Any], LlamaFamilyMap]:
@@ -123,8 +157,10 @@ def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) ->
     torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
     chunks = build_gpt_chunks(spec, tconfig, ctx=ctx, use_te=use_te)
     family = LlamaFamilyMap(spec, te_layer_names=use_te)
-    if cfg.model.init == "hf":
+    if cfg.model.init == "hf":  # conversion on the fly: HF tensors mapped into this rank's shards
         load_hf_weights(chunks, cfg.model.hf_path, family, ctx.tp_rank, ctx.tp_size)
+    elif cfg.model.init == "mcore":
+        load_model_weights(chunks, Path(cfg.model.mcore_path), spec)
     return chunks, family
 
 
@@ -248,11 +284,40 @@ def load_tokenizer(hf_path: str) -> Any:
     return tokenizer
 
 
-def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext) -> Path:
-    """Create the run directory (rank 0), moving a previous run's files aside rather than overwriting."""
-    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path) -> Resume | None:
+    """The save named by checkpoint.resume (none / auto / a path), with its run state; the same on every rank."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        outside_run_dir = not checkpoints.root.resolve().is_relative_to(run_dir.resolve())
+        if outside_run_dir and any(checkpoints.root.glob("step_*")):
+            raise CheckpointError(
+                f"checkpoint.dir {checkpoints.root} holds saves of an earlier run: continue it with "
+                "checkpoint.resume=auto, or give this run another checkpoint.dir"
+            )
+        return None
+    path = checkpoints.latest_complete() if choice == "auto" else Path(choice)
+    if path is None:
+        log.info("checkpoint.resume=auto: no complete save in %s, starting from step 0", checkpoints.root)
+        return None
+    verify_complete(path)
+    state = read_run_state(path)
+    log.info("resuming from %s at step %d", path, state["step"])
+    return Resume(path, int(state["step"]), state)
+
+
+def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume: Resume | None) -> None:
+    """Create the run directory (rank 0), moving a previous run's files aside rather than overwriting; when
+    resuming, keep it and move the metrics of steps that are run again to metrics.rolled_back.jsonl."""
     if ctx.rank == 0:
-        if (run_dir / "metrics.jsonl").exists():
+        if resume is not None:
+            rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step)
+            if rolled_back:
+                log.warning(
+                    "%d metric rows from step %d on moved to metrics.rolled_back.jsonl", rolled_back, resume.step
+                )
+            if (run_dir / "config.yaml").exists():
+                shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-step-{resume.step}.yaml")
+        elif (run_dir / "metrics.jsonl").exists():
             kept = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.move(str(run_dir), str(kept))
             log.warning("run directory %s held an earlier run; moved it to %s", run_dir, kept)
@@ -260,4 +325,3 @@ def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext) -> Path:
         dump_config(cfg, run_dir / "config.yaml")
         log.info("run directory: %s", run_dir)
     torch.distributed.barrier()
-    return run_dir

@@ -8,29 +8,82 @@ engine.update_weights <- weight export (TP/PP gather -> HF names -> buckets) <- 
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from dapo_mcore.build import Run, build_run
+from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
+from dapo_mcore.checkpoint.model_checkpoint import HF_ASSETS
 from dapo_mcore.config import RunConfig
-from dapo_mcore.parallel import destroy_parallel
+from dapo_mcore.parallel import broadcast_object, destroy_parallel
+from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.timers import PhaseTimer
+
+log = get_logger(__name__)
 
 
 def train(cfg: RunConfig) -> Path:
     """Run cfg.trainer.steps RL steps; returns the run directory."""
     run = build_run(cfg)
     try:
-        run.exporter.push(run.engine)  # the engines sample from the actor's weights from step 0 on
+        first_step = restore(run)
+        run.exporter.push(run.engine)  # the engines sample from the actor's weights from the first step on
         with run.progress:
-            for step in range(cfg.trainer.steps):
+            run.progress.resume_at(first_step)
+            for step in range(first_step, cfg.trainer.steps):
                 report(run, step, rl_step(run, step))
+                if should_save(cfg, step + 1):
+                    save(run, step + 1)
     finally:
         finish(run)
     return run.run_dir
+
+
+def restore(run: Run) -> int:
+    """Load the save this run resumes from (if any) into actor and sampler; returns the first step to run."""
+    if run.resume is None:
+        return 0
+    state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
+    run.sampler.load_state_dict(state["sampler"])
+    return int(state["step"])
+
+
+def should_save(cfg: RunConfig, next_step: int) -> bool:
+    interval = cfg.checkpoint.save_interval
+    return interval > 0 and (next_step % interval == 0 or next_step == cfg.trainer.steps)
+
+
+def save(run: Run, next_step: int) -> None:
+    """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export."""
+    run_id = run.writer.wandb_run_id if run.writer is not None else None
+    state = {"sampler": run.sampler.state_dict(), "wandb_run_id": broadcast_object(run_id, src=0)}
+    path = run.checkpoints.save(next_step, run.actor, run.spec, state)
+    every = run.cfg.checkpoint.hf_export_interval * run.cfg.checkpoint.save_interval
+    if every > 0 and (next_step % every == 0 or next_step == run.cfg.trainer.steps):
+        export_hf(run, path)
+
+
+def export_hf(run: Run, ckpt: Path) -> None:
+    """<checkpoint dir>/hf/step_N: safetensors + config + tokenizer, streamed from the weight gather that
+    feeds the engines (collective: every rank gathers, rank 0 writes)."""
+    out = run.checkpoints.root / "hf" / ckpt.name
+    writer = SafetensorsShardWriter(out.with_name(f".{out.name}.tmp")) if run.ctx.rank == 0 else None
+    dtype = None
+    for name, tensor in run.exporter.hf_weights():
+        dtype = tensor.dtype
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.close()
+        write_hf_config(ckpt / HF_ASSETS, writer.out_dir, dtype)
+        shutil.rmtree(out, ignore_errors=True)
+        writer.out_dir.rename(out)
+        log.info("exported HF weights to %s", out)
+    torch.distributed.barrier()
 
 
 def rl_step(run: Run, step: int) -> dict[str, float]:

@@ -61,3 +61,62 @@ def load_hf_weights(
                     f"expects {tuple(param.shape)} (does config.json match the weights?)"
                 )
             param.copy_(local.to(param.dtype))
+
+
+class SafetensorsShardWriter:
+    """Write HF-named tensors as they come into `model-0000i-of-0000n.safetensors` shards of about
+    `shard_bytes` each, plus `model.safetensors.index.json`: at most one shard is held in memory."""
+
+    def __init__(self, out_dir: str | Path, shard_bytes: int = 2 << 30):
+        self.out_dir, self.shard_bytes = Path(out_dir), shard_bytes
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes, self._written, self._weight_map = 0, [], {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map or name in self._pending:
+            raise CheckpointError(f"tensor '{name}' was exported twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+
+    def close(self) -> int:
+        """Write the last shard, give the shards their final names and write the index; returns bytes."""
+        self._flush()
+        total = len(self._written)
+        index: dict[str, str] = {}
+        for i, tmp_name in enumerate(self._written):
+            final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            (self.out_dir / tmp_name).rename(self.out_dir / final)
+            index.update({name: final for name, shard in self._weight_map.items() if shard == tmp_name})
+        size = sum((self.out_dir / f).stat().st_size for f in set(index.values()))
+        meta = {"metadata": {"total_size": size}, "weight_map": dict(sorted(index.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(meta, indent=2))
+        return size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        tmp_name = f".shard-{len(self._written):05d}.safetensors"
+        save_file(self._pending, str(self.out_dir / tmp_name), metadata={"format": "pt"})
+        self._weight_map.update({name: tmp_name for name in self._pending})
+        self._written.append(tmp_name)
+        self._pending, self._pending_bytes = {}, 0
+
+
+def write_hf_config(assets_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    """config.json (with the exported dtype) and the tokenizer files next to the exported weights."""
+    import shutil
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in assets_dir.iterdir():
+        if src.is_file() and src.name != "config.json":
+            shutil.copy2(src, out_dir / src.name)
+    config = json.loads((assets_dir / "config.json").read_text())
+    key = "dtype" if "dtype" in config else "torch_dtype"  # transformers 5 writes "dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))

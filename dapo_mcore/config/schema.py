@@ -15,8 +15,11 @@ from typing import Literal
 class ModelConfig:
     # A Hugging Face model directory: config.json (+ tokenizer files; + *.safetensors when init="hf").
     hf_path: str = ""
-    # "hf": load the weights of hf_path; "random": Megatron's initialisation (tests, from-scratch runs).
-    init: Literal["hf", "random"] = "hf"
+    # "hf": load the weights of hf_path; "mcore": load them from the Megatron-Core checkpoint at mcore_path
+    # (tools/convert_hf_to_mcore.py output, or a run save); "random": Megatron's initialisation.
+    init: Literal["hf", "mcore", "random"] = "hf"
+    # With init=mcore: a checkpoint directory; its model must match hf_path's config.json.
+    mcore_path: str = ""
     # Training precision of the actor's parameters and activations.
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # "auto" picks Transformer Engine layers when transformer_engine imports, else Megatron's local layers.
@@ -238,9 +241,17 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    # Where run checkpoints go (step_NNNNNN/ and a `latest` pointer); empty means <run_dir>/checkpoints.
     dir: str = ""
-    # Save every N RL steps (0: never).
-    save_interval: int = 0
+    # Save every N RL steps, and after the last step (0: never save).
+    save_interval: int = 50
+    # Keep the newest K complete saves; older ones are deleted after each save.
+    keep_last: int = 2
+    # "none": start fresh; "auto": continue from the newest complete save in `dir` (start fresh if there is
+    # none); or the path of one save (step_NNNNNN/) to continue from.
+    resume: str = "none"
+    # Also write the model as HF safetensors (+ config, tokenizer) to <dir>/hf/step_NNNNNN every N saves.
+    hf_export_interval: int = 0
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dapo_mcore.utils.errors import ConfigError
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (_check_model, _check_algorithm, _check_rollout, _check_batches, _check_data):
+    for check in (_check_model, _check_algorithm, _check_rollout, _check_batches, _check_data, _check_checkpoint):
         check(cfg)
 
 
@@ -34,6 +34,19 @@ def _check_model(cfg: RunConfig) -> None:
         "optimizer.cpu_offload needs parallel.use_distributed_optimizer=true",
     )
     _require(0.0 < cfg.optimizer.offload_fraction <= 1.0, "optimizer.offload_fraction must be in (0, 1]")
+
+
+def _check_checkpoint(cfg: RunConfig) -> None:
+    ck = cfg.checkpoint
+    _require(ck.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {ck.save_interval}")
+    _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
+    _require(ck.hf_export_interval >= 0, f"checkpoint.hf_export_interval must be >= 0, got {ck.hf_export_interval}")
+    _require(bool(ck.resume), 'checkpoint.resume is empty: use "none", "auto" or the path of a save')
+    if ck.resume not in ("none", "auto"):
+        _require(Path(ck.resume).is_dir(), f"checkpoint.resume={ck.resume}: no such checkpoint directory")
+    if cfg.model.init == "mcore":
+        _require(bool(cfg.model.mcore_path), "model.init=mcore needs model.mcore_path (a converted checkpoint)")
+        _require(Path(cfg.model.mcore_path).is_dir(), f"model.mcore_path={cfg.model.mcore_path}: no such directory")
 
 
 def _check_algorithm(cfg: RunConfig) -> None:

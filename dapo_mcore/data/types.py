@@ -5,7 +5,7 @@ Plain lists and floats, so they cross process boundaries (gather_object) and che
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -54,3 +54,12 @@ class Group:
     @property
     def accuracy(self) -> float:
         return sum(s.correct for s in self.samples) / max(len(self.samples), 1)
+
+
+def group_to_dict(group: Group) -> dict:
+    """Plain dicts and lists (what checkpoints store: torch.load reads them without unpickling classes)."""
+    return asdict(group)
+
+
+def group_from_dict(state: dict) -> Group:
+    return Group(Prompt(**state["prompt"]), [Sample(**s) for s in state["samples"]])

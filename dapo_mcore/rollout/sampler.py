@@ -20,7 +20,7 @@ from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.data.datasets import PromptStream
-from dapo_mcore.data.types import Group, Prompt, Sample
+from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 from dapo_mcore.utils.errors import DapoError
@@ -243,11 +243,15 @@ class RolloutSampler:
             s.advantage = adv
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts.state_dict(), "carry": self.carry, "keep_rate": self.keep_rate.state_dict()}
+        return {
+            "prompts": self.prompts.state_dict(),
+            "carry": [group_to_dict(g) for g in self.carry],
+            "keep_rate": self.keep_rate.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
-        self.carry = list(state["carry"])
+        self.carry = [group_from_dict(g) for g in state["carry"]]
         self.keep_rate.load_state_dict(state["keep_rate"])
 
 

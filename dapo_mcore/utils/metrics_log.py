@@ -67,3 +67,29 @@ def _start_wandb(run_dir: Path, mode: str, project: str, name: str, config: dict
         resume="allow" if run_id else None,
         settings=wandb.Settings(silent=True, console="off"),
     )
+
+
+def roll_back_metrics(path: Path, first_step: int) -> int:
+    """Keep the rows of steps before `first_step` in `path`; append the others (steps a resumed run runs
+    again) to metrics.rolled_back.jsonl next to it. Returns how many rows were moved. Nothing is deleted."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, moved = [], []
+    for line in (line for line in path.read_text().splitlines() if line.strip()):
+        (kept if _step_of(line) < first_step else moved).append(line)
+    if moved:
+        with path.with_name("metrics.rolled_back.jsonl").open("a") as fh:
+            fh.write("\n".join(moved) + "\n")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return len(moved)
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a row cut short by a killed process counts as after every step (it is moved)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf

@@ -60,6 +60,11 @@ class RunProgress:
         if self._progress is not None:
             self._progress.stop()
 
+    def resume_at(self, step: int) -> None:
+        """A resumed run: steps before `step` are done."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=f"step {step + 1}: generating")
+
     def round_done(self) -> None:
         self._rounds += 1
         if self._progress is not None:

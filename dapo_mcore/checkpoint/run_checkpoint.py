@@ -1,0 +1,277 @@
+"""Run checkpoints: the whole state of a run in one Megatron-Core distributed checkpoint per save.
+
+    <dir>/step_000012/            one save; 12 is the next step to run
+        ... dist_checkpointing files: "model" and "optimizer" sharded, per-rank "rng";
+            in the common state the LR schedule, the run state (data position, dynamic-sampling state and
+            carried-over groups, logger run id) and "format" (model spec, layout saved at, step)
+        hf_assets/                config.json and tokenizer files, for exports
+        MANIFEST.json             written last: every file with its size; a save without it is incomplete
+    <dir>/latest                  the name of the newest complete save, moved only after MANIFEST.json
+
+Saves are atomic: written as `.step_000012.tmp`, renamed once every rank has finished, then `latest` is
+rewritten (by a rename, too). The last `keep_last` saves are kept. Loading checks the manifest first (missing
+file, truncated file, missing metadata), so a save cut short by a killed job is reported and skipped by
+`resume=auto` instead of failing halfway through loading weights.
+
+Model and optimizer are stored layout-free: sharded tensors keyed by global layer index, and the
+distributed optimizer in its canonical `fully_reshardable` form. A save made at one TP x PP x DP layout loads
+at another; per-rank RNG states are restored only at the same layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.checkpoint.model_checkpoint import (
+    atomic_write,
+    check_model_spec,
+    copy_hf_assets,
+    dir_bytes,
+    format_record,
+    model_sharded_state_dict,
+    verify_complete,
+    write_manifest,
+)
+from dapo_mcore.mcore.provider import ModelSpec
+from dapo_mcore.mcore.sharding import unwrap
+from dapo_mcore.parallel.state import ParallelContext, broadcast_object
+from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+LATEST = "latest"
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _rng_object(ctx: ParallelContext) -> Any:
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if ctx.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return ShardedObject(
+        "rng_state",
+        state,
+        (ctx.pp_size, ctx.tp_size, ctx.dp_size),
+        (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank),
+        replica_id=0,
+    )
+
+
+def layout_of(ctx: ParallelContext) -> dict[str, int]:
+    return {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "dp": ctx.dp_size}
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path, ctx: ParallelContext, keep_last: int = 2, hf_assets_from: str = ""):
+        self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
+
+    # ----- saving -----------------------------------------------------------------------------------------
+    def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any]) -> Path:
+        """Save after `step - 1` finished; `step` is the next step to run. Collective over all ranks."""
+        from megatron.core import dist_checkpointing
+
+        start = time.perf_counter()
+        final, tmp = self.root / step_dir_name(step), self.root / f".{step_dir_name(step)}.tmp"
+        if self.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_sd = model_sharded_state_dict(actor.chunks)
+        state = {
+            "model": model_sd,
+            "optimizer": actor.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_FORMAT),
+            "rng": _rng_object(self.ctx),
+            "scheduler": actor.scheduler.state_dict(),
+            "run": run_state,
+            "format": format_record("run", spec, layout_of(self.ctx), step),
+        }
+        dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
+        dist.barrier()  # every rank's shards are on disk
+        if self.ctx.rank == 0:
+            if self.hf_assets_from:
+                copy_hf_assets(Path(self.hf_assets_from), tmp)
+            write_manifest(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            atomic_write(self.root / LATEST, final.name)
+            self._prune()
+            log.info(
+                "saved checkpoint %s in %.1f s (%.1f MiB)",
+                final,
+                time.perf_counter() - start,
+                dir_bytes(final) / 2**20,
+            )
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        saves = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in saves[: max(len(saves) - self.keep_last, 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ----- finding ----------------------------------------------------------------------------------------
+    def latest_complete(self) -> Path | None:
+        """The newest save whose manifest checks out, the same on every rank; skipped ones are logged."""
+        found = find_latest_complete(self.root) if self.ctx.rank == 0 else None
+        found = broadcast_object(str(found) if found else None, src=0)
+        return Path(found) if found else None
+
+    # ----- loading ----------------------------------------------------------------------------------------
+    def load(self, path: Path, actor: Any, spec: ModelSpec) -> dict[str, Any]:
+        """Load model, optimizer, LR schedule (and RNG at the same layout); return the saved run state."""
+        from megatron.core import dist_checkpointing
+
+        common = _run_common_state(path)
+        check_model_spec(common["format"]["model_spec"], spec, path)
+        model_sd = model_sharded_state_dict(actor.chunks)
+        _allocate_optimizer_state(actor.optimizer)
+        state = {
+            "model": model_sd,
+            "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIMIZER_FORMAT),
+        }
+        same_layout = common["format"]["layout"] == layout_of(self.ctx)
+        if same_layout:
+            state["rng"] = _rng_object(self.ctx)
+        try:
+            loaded = dist_checkpointing.load(state, str(path))
+        except Exception as err:  # a file the manifest vouched for, yet unreadable
+            raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
+        for i, chunk in enumerate(actor.chunks):
+            unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+        with _adam_step_fixed(actor.optimizer):
+            actor.optimizer.load_state_dict(loaded["optimizer"])
+        # Megatron's load_state_dict *adds* the saved step count to the current one (ours starts at 1)
+        actor.scheduler.num_steps = 0
+        actor.scheduler.load_state_dict(common["scheduler"])
+        if same_layout:
+            _restore_rng(loaded["rng"])
+        else:
+            log.warning(
+                "checkpoint %s was saved at layout %s, this run is %s: model, optimizer and schedule reshard; "
+                "per-rank RNG states start fresh",
+                path,
+                common["format"]["layout"],
+                layout_of(self.ctx),
+            )
+        return {**common["run"], "step": common["format"]["step"]}
+
+
+def read_run_state(path: Path) -> dict[str, Any]:
+    """The run state of a save (next step, data position, sampler state, logger run id), weights not read."""
+    common = _run_common_state(path)
+    return {**common["run"], "step": common["format"]["step"]}
+
+
+def _run_common_state(path: Path) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    verify_complete(path)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path}: common.pt unreadable ({type(err).__name__}: {err})") from err
+    if common.get("format", {}).get("kind") != "run":
+        raise CheckpointError(
+            f"{path} is not a run checkpoint (a converted model? start from it with "
+            "model.init=mcore model.mcore_path=...)"
+        )
+    return common
+
+
+def _allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a torch Adam that has not stepped yet its (zero) state, step counter included.
+
+    Megatron's distributed optimizer builds the loading template from `state_dict()`, which on the native
+    torch Adam path (no Apex/TE) reads every parameter's `step`; a fresh optimizer has none, and Megatron's own
+    `init_state_fn` sets only the moments. Every value set here is overwritten by the load."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
+@contextmanager
+def _adam_step_fixed(optimizer: Any) -> Iterator[None]:
+    """Work around two bugs of Megatron-Core 0.16.1 on the native torch Adam path (no Apex/TE: every CPU run).
+
+    Its distributed optimizer stores Adam's `step` once per param group and on loading sets it back as ONE
+    tensor shared by every parameter's state; then it copies "every key of that state" from the checkpoint's
+    per-parameter tensors, which hold no `step` (KeyError at any layout). Here the copy is given the step it
+    already set, and afterwards each parameter gets its own step tensor: torch's Adam increments it in place,
+    so a shared one advances by the number of parameters per update and bias correction goes wrong (a
+    resumed run then drifts from the uninterrupted one from its second update on)."""
+    patched = [
+        sub
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+        if hasattr(sub, "model_param_group_index_map") and hasattr(sub, "_set_main_param_and_optimizer_states")
+    ]
+    for sub in patched:
+        sub._set_main_param_and_optimizer_states = functools.partial(
+            _set_states_keeping_step, sub, type(sub)._set_main_param_and_optimizer_states
+        )
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states  # back to the class's method
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(getattr(sub, "optimizer", None), "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _set_states_keeping_step(sub: Any, original: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+    group_index, group_order = sub.model_param_group_index_map[model_param]
+    state = sub.optimizer.state[sub.optimizer.param_groups[group_index]["params"][group_order]]
+    if "step" in state and "step" not in tensors:
+        tensors = {**tensors, "step": state["step"]}
+    original(sub, model_param, tensors)
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def find_latest_complete(root: Path) -> Path | None:
+    """`latest` if it checks out, else the newest complete save; every skipped save is logged with why."""
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file() and (root / pointer.read_text().strip()).is_dir():
+        named = root / pointer.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    for ckpt in candidates:
+        try:
+            verify_complete(ckpt)
+            return ckpt
+        except CheckpointError as err:
+            log.warning("skipping %s: %s", ckpt.name, err)
+    return None
