@@ -34,6 +34,7 @@ SHORT = [
     "rollout.gen_prompts_per_round=4",
     "trainer.mini_batch_size=16",
     "trainer.micro_batch_size=16",
+    "checkpoint.save_interval=0",  # tests/e2e/test_checkpoints.py covers saving
 ]
 
 

@@ -1,0 +1,170 @@
+"""Run checkpoints through the command line: exact resume after SIGKILL, saves cut short, layout changes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
+from dapo_mcore.utils.errors import CheckpointError
+from tests.conftest import REPO, free_port
+from tests.e2e.test_train_cli import SHORT, cli, read_rows
+
+STEPS = 6
+# Saves after steps 2, 4 and 6 (step_000002 ... step_000006: the next step to run), all three kept.
+SAVING = [
+    *SHORT,
+    f"trainer.steps={STEPS}",
+    "checkpoint.save_interval=2",
+    "checkpoint.keep_last=3",
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+]
+
+
+def train_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "examples/smoke_cpu.yaml", *SAVING, f"logging.run_dir={run_dir}", *extra]
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def hf_weights(export_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for shard in sorted(export_dir.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted run of STEPS steps that saves every 2 steps and exports HF weights at the end."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    cli(*train_args(run_dir, "checkpoint.hf_export_interval=3"))
+    return run_dir
+
+
+def run_until_killed(run_dir: Path, kill_after_rows: int) -> None:
+    """Start a run and SIGKILL it (the whole process group, as Slurm does at the time limit) as soon as
+    `kill_after_rows` steps are logged: the run is then in the middle of the next step."""
+    cmd = [sys.executable, "-m", "dapo_mcore.cli", *train_args(run_dir, "checkpoint.hf_export_interval=3")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_rows:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run ended on its own ({proc.returncode}): " + proc.stderr.read().decode()[-3000:]
+    )
+
+
+def test_a_run_killed_mid_step_resumes_to_identical_metrics_and_weights(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    run_until_killed(run_dir, kill_after_rows=5)  # killed during step 5; the newest save is step_000004
+    assert not (run_dir / "checkpoints" / "step_000006").exists()
+    proc = cli(*train_args(run_dir, "checkpoint.resume=auto", "checkpoint.hf_export_interval=3"))
+    assert "resuming from" in proc.stderr and "step_000004 at step 4" in proc.stderr
+    # every step's metrics equal the uninterrupted run's, exactly (CPU, fp32, deterministic)
+    assert without_timings(read_rows(run_dir)) == without_timings(read_rows(reference))
+    rolled_back = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.rolled_back.jsonl").read_text().splitlines()
+    ]
+    assert rolled_back == [4]  # logged before the kill, run again after the resume
+    want, got = hf_weights(reference / "checkpoints/hf/step_000006"), hf_weights(run_dir / "checkpoints/hf/step_000006")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def damage(save: Path, how: str) -> str:
+    """Cut a save short the way a killed job or a full disk does; returns what the error must say."""
+    if how == "missing_shard":
+        next(save.glob("*.distcp")).unlink()
+        return r"incomplete: __\d+_\d+\.distcp is missing"
+    if how == "truncated_file":
+        shard = next(save.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return r"damaged: __\d+_\d+\.distcp has \d+ bytes, the manifest says \d+"
+    if how == "missing_metadata":
+        (save / ".metadata").unlink()
+        return r"incomplete: \.metadata is missing"
+    if how == "no_manifest":  # killed before the save finished
+        (save / "MANIFEST.json").unlink()
+        return r"incomplete: no MANIFEST.json \(the save did not finish\)"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["missing_shard", "truncated_file", "missing_metadata", "no_manifest"])
+def test_a_save_cut_short_is_named_and_the_previous_complete_one_is_found(reference, tmp_path, how):
+    root = shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    verify_complete(root / "step_000006")
+    message = damage(root / "step_000006", how)
+    with pytest.raises(CheckpointError, match=message):
+        verify_complete(root / "step_000006")
+    assert find_latest_complete(root) == root / "step_000004"  # `latest` names step_000006: skipped
+
+
+def test_resume_auto_falls_back_past_a_damaged_save_and_a_named_one_is_an_error(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    damage(run_dir / "checkpoints" / "step_000006", "truncated_file")
+    proc = cli(*train_args(run_dir, "checkpoint.resume=auto"))
+    assert "skipping step_000006" in proc.stderr and "step_000004 at step 4" in proc.stderr
+    assert without_timings(read_rows(run_dir)) == without_timings(read_rows(reference))
+    damaged = run_dir / "checkpoints" / "step_000006"
+    shutil.rmtree(damaged)
+    shutil.copytree(reference / "checkpoints" / "step_000006", damaged)
+    damage(damaged, "missing_shard")
+    proc = cli(*train_args(tmp_path / "other", f"checkpoint.resume={damaged}"), expect=2)
+    assert "Traceback" not in proc.stderr and "is incomplete" in proc.stderr and "is missing" in proc.stderr
+    # a fresh run pointed at another run's saves refuses rather than pruning them
+    proc = cli(*train_args(tmp_path / "third", f"checkpoint.dir={run_dir / 'checkpoints'}"), expect=2)
+    assert "holds saves of an earlier run" in proc.stderr
+
+
+def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    ref_dir, moved_dir = tmp_path / "tp2", tmp_path / "pp2"
+    cli(*train_args(ref_dir, "trainer.steps=3", "parallel.tensor_model_parallel_size=2"), launcher=launcher)
+    launcher[-1] = f"--master_port={free_port()}"
+    save = ref_dir / "checkpoints" / "step_000002"
+    proc = cli(
+        *train_args(
+            moved_dir, "trainer.steps=3", "parallel.pipeline_model_parallel_size=2", f"checkpoint.resume={save}"
+        ),
+        launcher=launcher,
+    )
+    assert "saved at layout {'tp': 2, 'pp': 1" in proc.stderr
+    (resumed,) = read_rows(moved_dir)
+    reference = read_rows(ref_dir)[2]
+    assert resumed["step"] == 2
+    # the same rollouts (sampled from weights equal to ~1e-8), so the same batch
+    for key in ("rollout/accuracy", "rollout/response_len_mean", "dynamic_sampling/kept_groups"):
+        assert resumed[key] == reference[key], key
+    # Observed: ~1e-7 relative (TP and PP sum in different orders). Tolerance 1e-5.
+    for key in ("loss/policy", "actor/grad_norm", "actor/entropy"):
+        assert resumed[key] == pytest.approx(reference[key], rel=1e-5), key
+
+
+def test_training_from_a_converted_checkpoint_equals_training_from_the_hf_directory(tmp_path):
+    convert = [sys.executable, "tools/convert_hf_to_mcore.py", "examples/models/tiny-arith", str(tmp_path / "mcore")]
+    subprocess.run(convert, cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    one_step = ["trainer.steps=1", "checkpoint.save_interval=0"]
+    cli(*train_args(tmp_path / "hf", *one_step))
+    cli(*train_args(tmp_path / "mc", *one_step, "model.init=mcore", f"model.mcore_path={tmp_path / 'mcore'}"))
+    assert without_timings(read_rows(tmp_path / "mc")) == without_timings(read_rows(tmp_path / "hf"))
