@@ -91,7 +91,11 @@ def build_run(cfg: RunConfig) -> Run:
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
     run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
     checkpoints = CheckpointManager(
-        cfg.checkpoint.dir or run_dir / "checkpoints", ctx, cfg.checkpoint.keep_last, hf_assets_from=cfg.model.hf_path
+        cfg.checkpoint.dir or run_dir / "checkpoints",
+        ctx,
+        cfg.checkpoint.keep_last,
+        hf_assets_from=cfg.model.hf_path,
+        async_save=cfg.checkpoint.async_save,
     )
     resume = find_resume(cfg, checkpoints, run_dir)
     prepare_run_dir(cfg, ctx, run_dir, resume)

@@ -16,7 +16,6 @@ import torch
 
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
-from dapo_mcore.checkpoint.model_checkpoint import HF_ASSETS
 from dapo_mcore.config import RunConfig
 from dapo_mcore.parallel import broadcast_object, destroy_parallel
 from dapo_mcore.utils.logging import get_logger
@@ -36,8 +35,10 @@ def train(cfg: RunConfig) -> Path:
             run.progress.resume_at(first_step)
             for step in range(first_step, cfg.trainer.steps):
                 report(run, step, rl_step(run, step))
+                run.checkpoints.poll()  # completes a background save whose shards are written
                 if should_save(cfg, step + 1):
                     save(run, step + 1)
+        run.checkpoints.wait()
     finally:
         finish(run)
     return run.run_dir
@@ -79,7 +80,7 @@ def export_hf(run: Run, ckpt: Path) -> None:
             writer.add(name, tensor)
     if writer is not None:
         writer.close()
-        write_hf_config(ckpt / HF_ASSETS, writer.out_dir, dtype)
+        write_hf_config(Path(run.cfg.model.hf_path), writer.out_dir, dtype)
         shutil.rmtree(out, ignore_errors=True)
         writer.out_dir.rename(out)
         log.info("exported HF weights to %s", out)

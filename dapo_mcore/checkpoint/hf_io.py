@@ -12,6 +12,19 @@ from dapo_mcore.mcore.provider import padded_vocab_size
 from dapo_mcore.mcore.sharding import global_named_parameters, shard_of, tp_split_of
 from dapo_mcore.utils.errors import CheckpointError
 
+# The HF files that describe a model without being its weights: copied along so an export is loadable.
+_ASSET_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+)
+
 
 class SafetensorsReader:
     """Lazy access to the tensors of an HF directory (single file or sharded with an index)."""
@@ -108,15 +121,21 @@ class SafetensorsShardWriter:
         self._pending, self._pending_bytes = {}, 0
 
 
-def write_hf_config(assets_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
-    """config.json (with the exported dtype) and the tokenizer files next to the exported weights."""
+def copy_hf_files(src_dir: Path, dst_dir: Path) -> None:
+    """Copy config.json, generation config and tokenizer files (never weights) from src_dir to dst_dir."""
     import shutil
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for src in assets_dir.iterdir():
-        if src.is_file() and src.name != "config.json":
-            shutil.copy2(src, out_dir / src.name)
-    config = json.loads((assets_dir / "config.json").read_text())
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for pattern in _ASSET_PATTERNS:
+        for src in Path(src_dir).glob(pattern):
+            if src.is_file() and not src.name.endswith(".index.json"):
+                shutil.copy2(src, dst_dir / src.name)
+
+
+def write_hf_config(source_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    """config.json (with the exported dtype) and the tokenizer files of source_dir next to exported weights."""
+    copy_hf_files(source_dir, out_dir)
+    config = json.loads((Path(source_dir) / "config.json").read_text())
     key = "dtype" if "dtype" in config else "torch_dtype"  # transformers 5 writes "dtype"
     config[key] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

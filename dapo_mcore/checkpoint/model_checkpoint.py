@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dapo_mcore.checkpoint.hf_io import copy_hf_files
 from dapo_mcore.mcore.provider import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.utils.errors import CheckpointError
@@ -25,18 +25,6 @@ from dapo_mcore.utils.errors import CheckpointError
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
 HF_ASSETS = "hf_assets"
-# The HF files that describe a model without being its weights: copied along so an export is loadable.
-_ASSET_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "vocab.*",
-    "merges.txt",
-    "*.model",
-    "*.tiktoken",
-    "chat_template*",
-)
 
 
 def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -86,12 +74,7 @@ def load_model_weights(chunks: list[Any], ckpt: Path, spec: ModelSpec, source: s
 
 def copy_hf_assets(hf_dir: Path, ckpt: Path) -> None:
     """Copy config.json and the tokenizer files of `hf_dir` to `<ckpt>/hf_assets` (rank 0)."""
-    target = ckpt / HF_ASSETS
-    target.mkdir(parents=True, exist_ok=True)
-    for pattern in _ASSET_PATTERNS:
-        for src in Path(hf_dir).glob(pattern):
-            if src.is_file() and not src.name.endswith(".index.json"):
-                shutil.copy2(src, target / src.name)
+    copy_hf_files(Path(hf_dir), ckpt / HF_ASSETS)
 
 
 # ----- completeness ---------------------------------------------------------------------------------------

@@ -78,14 +78,30 @@ def layout_of(ctx: ParallelContext) -> dict[str, int]:
 
 
 class CheckpointManager:
-    def __init__(self, root: str | Path, ctx: ParallelContext, keep_last: int = 2, hf_assets_from: str = ""):
+    def __init__(
+        self,
+        root: str | Path,
+        ctx: ParallelContext,
+        keep_last: int = 2,
+        hf_assets_from: str = "",
+        async_save: bool = False,
+    ):
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
+        self._async_queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue()
 
     # ----- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any]) -> Path:
-        """Save after `step - 1` finished; `step` is the next step to run. Collective over all ranks."""
+        """Save after `step - 1` finished; `step` is the next step to run. Collective over all ranks.
+
+        With async_save, the shards are written by a background process while training goes on; the save
+        becomes complete (manifest, rename, `latest`) in a later `poll()` or `wait()`. One save at a time."""
         from megatron.core import dist_checkpointing
 
+        self.wait()
         start = time.perf_counter()
         final, tmp = self.root / step_dir_name(step), self.root / f".{step_dir_name(step)}.tmp"
         if self.ctx.rank == 0:
@@ -101,7 +117,28 @@ class CheckpointManager:
             "run": run_state,
             "format": format_record("run", spec, layout_of(self.ctx), step),
         }
-        dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
+        finish = functools.partial(self._complete, tmp, final, start)
+        if self._async_queue is not None:
+            request = dist_checkpointing.save(state, str(tmp), validate_access_integrity=False, async_sharded_save=True)
+            request.add_finalize_fn(finish)
+            self._async_queue.schedule_async_request(request)
+            log.info("checkpoint %s: writing in the background (%.1f s blocked)", final, time.perf_counter() - start)
+        else:
+            dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
+            finish()
+        return final
+
+    def poll(self) -> None:
+        """Complete a background save whose shards are written (collective; call once per step)."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until a background save is complete (collective)."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=True)
+
+    def _complete(self, tmp: Path, final: Path, start: float) -> None:
         dist.barrier()  # every rank's shards are on disk
         if self.ctx.rank == 0:
             if self.hf_assets_from:
@@ -118,7 +155,6 @@ class CheckpointManager:
                 dir_bytes(final) / 2**20,
             )
         dist.barrier()
-        return final
 
     def _prune(self) -> None:
         saves = sorted(p for p in self.root.glob("step_*") if p.is_dir())

@@ -250,6 +250,9 @@ class CheckpointConfig:
     # "none": start fresh; "auto": continue from the newest complete save in `dir` (start fresh if there is
     # none); or the path of one save (step_NNNNNN/) to continue from.
     resume: str = "none"
+    # Write the shards in a background process while training goes on (Megatron-Core's async save); the
+    # save is completed (manifest, `latest`) at a later step. Meant for GPUs, where a save otherwise blocks.
+    async_save: bool = False
     # Also write the model as HF safetensors (+ config, tokenizer) to <dir>/hf/step_NNNNNN every N saves.
     hf_export_interval: int = 0
 

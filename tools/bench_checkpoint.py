@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Time a run checkpoint's save and load, and report its size, for a config's model and optimizer.
+
+    python tools/bench_checkpoint.py [CONFIG] [section.key=value ...] [--repeats 5]
+
+After one RL step (so Adam has its state), saves the run checkpoint `--repeats` times and loads it back as
+many times, through the trainer's CheckpointManager. Baseline, measured in the same run: torch.save of the
+same model and optimizer state dicts to one file (what a single-process trainer would do; it is neither
+atomic nor reshardable). Prints a markdown table. Works under torchrun for parallel layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dapo_mcore.build import build_run
+from dapo_mcore.checkpoint.model_checkpoint import dir_bytes
+from dapo_mcore.config import load_config
+from dapo_mcore.mcore.sharding import unwrap
+from dapo_mcore.trainer import finish, rl_step
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", default="examples/smoke_cpu.yaml")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"logging.run_dir={tmp}/run",
+                "logging.wandb.mode=disabled",
+                "logging.progress=false",
+                "checkpoint.keep_last=1",
+            ],
+        )
+        run = build_run(cfg)
+        try:
+            run.exporter.push(run.engine)
+            rl_step(run, 0)
+            state = {"sampler": run.sampler.state_dict(), "wandb_run_id": None}
+            saves = [timed(lambda: run.checkpoints.save(1, run.actor, run.spec, state)) for _ in range(args.repeats)]
+            path = run.checkpoints.root / "step_000001"
+            loads = [timed(lambda: run.checkpoints.load(path, run.actor, run.spec)) for _ in range(args.repeats)]
+            plain = Path(tmp) / f"plain_{run.ctx.rank}.pt"
+            model_and_optimizer = lambda: torch.save(  # noqa: E731
+                {
+                    "model": [unwrap(c).state_dict() for c in run.actor.chunks],
+                    "optimizer": run.actor.optimizer.state_dict(),
+                },
+                plain,
+            )
+            baseline = [timed(model_and_optimizer) for _ in range(args.repeats)]
+            if run.ctx.rank == 0:
+                report(cfg, run, saves, loads, baseline, dir_bytes(path), plain.stat().st_size)
+        finally:
+            finish(run)
+
+
+def report(cfg, run, saves, loads, baseline, size, plain_size) -> None:
+    params = sum(p.numel() for c in run.actor.chunks for p in c.parameters())
+    base = statistics.median(baseline)
+    print(
+        f"config: {cfg.name} | {run.ctx.describe()} | {platform.processor() or platform.machine()} | "
+        f"{params:,} parameters on rank 0 | median of {len(saves)}"
+    )
+    print("| | median s | vs torch.save | size |\n|---|---|---|---|")
+    print(
+        f"| run checkpoint save (atomic, manifest, reshardable) | {statistics.median(saves):.3f} | "
+        f"{statistics.median(saves) / base:.1f}x | {size / 2**20:.2f} MiB |"
+    )
+    print(f"| run checkpoint load | {statistics.median(loads):.3f} | {statistics.median(loads) / base:.1f}x | |")
+    print(f"| baseline: torch.save of model + optimizer state | {base:.3f} | 1.0x | {plain_size / 2**20:.2f} MiB |")
+
+
+if __name__ == "__main__":
+    main()
