@@ -15,7 +15,7 @@ import torch
 from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
-from dapo_mcore.checkpoint.model_checkpoint import load_model_weights, verify_complete
+from dapo_mcore.checkpoint.model_checkpoint import check_model_spec, load_model_weights, read_format
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
@@ -97,7 +97,7 @@ def build_run(cfg: RunConfig) -> Run:
         hf_assets_from=cfg.model.hf_path,
         async_save=cfg.checkpoint.async_save,
     )
-    resume = find_resume(cfg, checkpoints, run_dir)
+    resume = find_resume(cfg, checkpoints, run_dir, spec)
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
@@ -288,8 +288,9 @@ def load_tokenizer(hf_path: str) -> Any:
     return tokenizer
 
 
-def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path) -> Resume | None:
-    """The save named by checkpoint.resume (none / auto / a path), with its run state; the same on every rank."""
+def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, spec: ModelSpec) -> Resume | None:
+    """The save named by checkpoint.resume (none / auto / a path), with its run state; the same on every rank.
+    Checked against the configured model before the run directory or any weight is touched."""
     choice = cfg.checkpoint.resume
     if choice == "none":
         outside_run_dir = not checkpoints.root.resolve().is_relative_to(run_dir.resolve())
@@ -303,9 +304,10 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path) -
     if path is None:
         log.info("checkpoint.resume=auto: no complete save in %s, starting from step 0", checkpoints.root)
         return None
-    verify_complete(path)
     state = read_run_state(path)
+    check_model_spec(read_format(path)["model_spec"], spec, path)
     log.info("resuming from %s at step %d", path, state["step"])
+    checkpoints.set_aside_after(int(state["step"]))
     return Resume(path, int(state["step"]), state)
 
 
@@ -320,7 +322,8 @@ def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume:
                     "%d metric rows from step %d on moved to metrics.rolled_back.jsonl", rolled_back, resume.step
                 )
             if (run_dir / "config.yaml").exists():
-                shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-step-{resume.step}.yaml")
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-resume-{stamp}.yaml")
         elif (run_dir / "metrics.jsonl").exists():
             kept = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.move(str(run_dir), str(kept))

@@ -17,7 +17,8 @@ import torch
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.config import RunConfig
-from dapo_mcore.parallel import broadcast_object, destroy_parallel
+from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
+from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.timers import PhaseTimer
@@ -73,18 +74,25 @@ def export_hf(run: Run, ckpt: Path) -> None:
     feeds the engines (collective: every rank gathers, rank 0 writes)."""
     out = run.checkpoints.root / "hf" / ckpt.name
     writer = SafetensorsShardWriter(out.with_name(f".{out.name}.tmp")) if run.ctx.rank == 0 else None
-    dtype = None
-    for name, tensor in run.exporter.hf_weights():
+    dtype, failure = None, None
+    for name, tensor in run.exporter.hf_weights():  # every rank gathers to the end, whatever rank 0 meets
         dtype = tensor.dtype
-        if writer is not None:
-            writer.add(name, tensor)
-    if writer is not None:
+        if writer is not None and failure is None:
+            try:
+                writer.add(name, tensor)
+            except OSError as err:  # a full disk: reported on every rank below, not a hang
+                failure = err
+
+    def publish() -> None:
+        if failure is not None:
+            raise failure
         writer.close()
         write_hf_config(Path(run.cfg.model.hf_path), writer.out_dir, dtype)
         shutil.rmtree(out, ignore_errors=True)
         writer.out_dir.rename(out)
         log.info("exported HF weights to %s", out)
-    torch.distributed.barrier()
+
+    on_rank0(publish, CheckpointError)
 
 
 def rl_step(run: Run, step: int) -> dict[str, float]:

@@ -54,7 +54,9 @@ def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
     raise ValueError(family)
 
 
-def save_tiny_model(out: Path, family: str, tie: bool = False, seed: int = 0, layers: int = 2) -> Path:
+def save_tiny_model(
+    out: Path, family: str, tie: bool = False, seed: int = 0, layers: int = 2, dtype: torch.dtype = torch.float32
+) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -63,7 +65,7 @@ def save_tiny_model(out: Path, family: str, tie: bool = False, seed: int = 0, la
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
-    model.save_pretrained(out)
+    model.to(dtype).save_pretrained(out)
     build_char_tokenizer(out)
     return out
 

@@ -55,6 +55,8 @@ def main() -> None:
                 "logging.wandb.mode=disabled",
                 "logging.progress=false",
                 "checkpoint.keep_last=1",
+                f"checkpoint.dir={tmp}/checkpoints",  # never a recipe's own directory
+                "checkpoint.resume=none",
             ],
         )
         run = build_run(cfg)

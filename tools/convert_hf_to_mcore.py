@@ -19,7 +19,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", type=Path)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--dtype", default="", help="float32 / bfloat16 / float16 (default: config.json's dtype)")
+    ap.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "float32", "bfloat16", "float16"],
+        help="storage dtype (default: config.json's)",
+    )
     args = ap.parse_args()
     from dapo_mcore.checkpoint.conversion import hf_to_mcore
     from dapo_mcore.mcore.provider import load_hf_config

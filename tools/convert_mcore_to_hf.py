@@ -19,7 +19,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt_dir", type=Path)
     ap.add_argument("out_dir", type=Path)
-    ap.add_argument("--dtype", default="float32", help="dtype of the exported tensors (default float32)")
+    ap.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "float32", "bfloat16", "float16"],
+        help="dtype of the exported tensors (default: the checkpoint's)",
+    )
     args = ap.parse_args()
     from dapo_mcore.checkpoint.conversion import mcore_to_hf
     from dapo_mcore.parallel import destroy_parallel
@@ -36,7 +41,7 @@ def main() -> int:
     finally:
         destroy_parallel()
     print(
-        f"wrote {args.out_dir}: {result['bytes'] / 2**20:.1f} MiB of safetensors ({args.dtype}) "
+        f"wrote {args.out_dir}: {result['bytes'] / 2**20:.1f} MiB of safetensors ({result['dtype']}) "
         f"in {time.perf_counter() - start:.1f} s"
     )
     return 0

@@ -22,6 +22,7 @@ from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, load_hf_weights, write_hf_config
 from dapo_mcore.checkpoint.model_checkpoint import (
     HF_ASSETS,
+    cast_parameters,
     check_model_spec,
     copy_hf_assets,
     dir_bytes,
@@ -72,13 +73,19 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     spec = read_model_spec(load_hf_config(str(hf_dir)))  # names any unsupported HF config field
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"storage dtype {dtype!r} (from {hf_dir}/config.json?): use float32, bfloat16 or float16")
     ctx = init_parallel(1, 1, "cpu")
-    chunks = build_model(spec, ctx, dtype)
+    chunks = build_model(spec, ctx, "float32")  # the CPU mode computes in fp32; storage takes `dtype`
     load_hf_weights(chunks, hf_dir, LlamaFamilyMap(spec), tp_rank=0, tp_size=1)  # checks every shape
+    cast_parameters(chunks, getattr(torch, dtype))
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {"model": model_sharded_state_dict(chunks), "format": format_record("model", spec, {"tp": 1, "pp": 1})}
+    state = {
+        "model": model_sharded_state_dict(chunks),
+        "format": format_record("model", spec, chunks, {"tp": 1, "pp": 1}),
+    }
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
     copy_hf_assets(hf_dir, tmp)
     write_manifest(tmp)
@@ -90,20 +97,22 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
 
 # ----- Megatron -> HF ----------------------------------------------------------------------------------------
 def mcore_to_hf(ckpt: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
-    """Write a checkpoint's model (converted or run save) as safetensors + config + tokenizer in OUT_DIR."""
+    """Write a checkpoint's model (converted or run save) as safetensors + config + tokenizer in OUT_DIR;
+    dtype "" keeps the stored one."""
     spec = spec_from_checkpoint(ckpt)
+    dtype = dtype or read_format(ckpt).get("dtype", "float32")
     ctx = init_parallel(1, 1, "cpu")
-    chunks = build_model(spec, ctx, dtype)
+    chunks = build_model(spec, ctx, "float32")
     load_model_weights(chunks, ckpt, spec, source=f"{HF_ASSETS}/config.json")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     writer = SafetensorsShardWriter(tmp)
     for name, tensor in full_hf_tensors(chunks, LlamaFamilyMap(spec)):
-        writer.add(name, tensor)
+        writer.add(name, tensor.to(getattr(torch, dtype)))
     size = writer.close()
     write_hf_config(ckpt / HF_ASSETS, tmp, getattr(torch, dtype))
     tmp.rename(out_dir)
-    return {"bytes": size}
+    return {"bytes": size, "dtype": dtype}
 
 
 def full_hf_tensors(chunks: list[Any], family: LlamaFamilyMap) -> Iterator[tuple[str, torch.Tensor]]:

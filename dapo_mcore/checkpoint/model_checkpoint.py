@@ -17,6 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dapo_mcore.checkpoint.hf_io import copy_hf_files
 from dapo_mcore.mcore.provider import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
@@ -33,19 +35,43 @@ def model_sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
     return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def format_record(kind: str, spec: ModelSpec, layout: dict[str, int], step: int = 0) -> dict[str, Any]:
-    return {"version": FORMAT_VERSION, "kind": kind, "model_spec": asdict(spec), "layout": layout, "step": step}
+def format_record(kind: str, spec: ModelSpec, chunks: list[Any], layout: dict[str, int], step: int = 0) -> dict:
+    dtype = str(next(unwrap(chunks[0]).parameters()).dtype).removeprefix("torch.")
+    return {
+        "version": FORMAT_VERSION,
+        "kind": kind,
+        "model_spec": asdict(spec),
+        "dtype": dtype,
+        "layout": layout,
+        "step": step,
+    }
+
+
+def cast_parameters(chunks: list[Any], dtype: torch.dtype) -> None:
+    """Parameters only (rotary frequencies and other buffers keep their precision); the objects stay the
+    same, so Megatron's parallel attributes on them survive."""
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.data = param.data.to(dtype)
 
 
 def read_format(ckpt: Path) -> dict[str, Any]:
     """The "format" record of a complete checkpoint (checked against its manifest first)."""
+    return read_common(ckpt)["format"]
+
+
+def read_common(ckpt: Path) -> dict[str, Any]:
+    """The common (non-sharded) state of a complete dapo_mcore checkpoint (checked against its manifest)."""
     from megatron.core import dist_checkpointing
 
     verify_complete(ckpt)
-    common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    if "format" not in common or common["format"].get("version") != FORMAT_VERSION:
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except Exception as err:  # the manifest vouched for the file, yet it does not unpickle
+        raise CheckpointError(f"checkpoint {ckpt}: common.pt unreadable ({type(err).__name__}: {err})") from err
+    if not isinstance(common, dict) or "format" not in common or common["format"].get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt} is not a dapo_mcore checkpoint of format version {FORMAT_VERSION}")
-    return common["format"]
+    return common
 
 
 def check_model_spec(saved: dict[str, Any], spec: ModelSpec, where: Path, source: str = "model.hf_path") -> None:
@@ -63,13 +89,17 @@ def load_model_weights(chunks: list[Any], ckpt: Path, spec: ModelSpec, source: s
     """Load only the model weights of a checkpoint (a converted one or a run save) into this rank's chunks."""
     from megatron.core import dist_checkpointing
 
-    check_model_spec(read_format(ckpt)["model_spec"], spec, ckpt, source)
+    found = read_format(ckpt)
+    check_model_spec(found["model_spec"], spec, ckpt, source)
+    model_dtype, stored = next(chunks[0].parameters()).dtype, getattr(torch, found.get("dtype", "float32"))
+    cast_parameters(chunks, stored)  # read at the stored precision, then cast (exact when widening)
     try:
         loaded = dist_checkpointing.load({"model": model_sharded_state_dict(chunks)}, str(ckpt))
     except Exception as err:  # a file the manifest vouched for, yet unreadable
         raise CheckpointError(f"checkpoint {ckpt} could not be read: {type(err).__name__}: {err}") from err
     for i, chunk in enumerate(chunks):
         unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+    cast_parameters(chunks, model_dtype)
 
 
 def copy_hf_assets(hf_dir: Path, ckpt: Path) -> None:
@@ -88,11 +118,16 @@ def verify_complete(ckpt: Path) -> None:
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} does not exist")
     manifest = ckpt / MANIFEST
+    if not manifest.is_file() and any(ckpt.glob("step_*")):
+        raise CheckpointError(
+            f"{ckpt} is a directory of saves, not one save: name one of them (step_NNNNNN) "
+            "or use checkpoint.resume=auto"
+        )
     if not manifest.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: no {MANIFEST} (the save did not finish)")
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as err:
+        files = dict(json.loads(manifest.read_text())["files"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is unreadable ({err})") from None
     for name, size in files.items():
         path = ckpt / name

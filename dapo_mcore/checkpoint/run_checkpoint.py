@@ -38,12 +38,13 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     dir_bytes,
     format_record,
     model_sharded_state_dict,
+    read_common,
     verify_complete,
     write_manifest,
 )
 from dapo_mcore.mcore.provider import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel.state import ParallelContext, broadcast_object
+from dapo_mcore.parallel.state import ParallelContext, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 
@@ -104,10 +105,12 @@ class CheckpointManager:
         self.wait()
         start = time.perf_counter()
         final, tmp = self.root / step_dir_name(step), self.root / f".{step_dir_name(step)}.tmp"
-        if self.ctx.rank == 0:
+
+        def fresh_tmp() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
+
+        on_rank0(fresh_tmp, CheckpointError)
         model_sd = model_sharded_state_dict(actor.chunks)
         state = {
             "model": model_sd,
@@ -115,7 +118,7 @@ class CheckpointManager:
             "rng": _rng_object(self.ctx),
             "scheduler": actor.scheduler.state_dict(),
             "run": run_state,
-            "format": format_record("run", spec, layout_of(self.ctx), step),
+            "format": format_record("run", spec, actor.chunks, layout_of(self.ctx), step),
         }
         finish = functools.partial(self._complete, tmp, final, start)
         if self._async_queue is not None:
@@ -140,32 +143,51 @@ class CheckpointManager:
 
     def _complete(self, tmp: Path, final: Path, start: float) -> None:
         dist.barrier()  # every rank's shards are on disk
-        if self.ctx.rank == 0:
+
+        def publish() -> None:  # rank 0; an error (full disk, ...) is raised on every rank
             if self.hf_assets_from:
                 copy_hf_assets(Path(self.hf_assets_from), tmp)
             write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             atomic_write(self.root / LATEST, final.name)
-            self._prune()
+            self._prune(final)
             log.info(
-                "saved checkpoint %s in %.1f s (%.1f MiB)",
-                final,
-                time.perf_counter() - start,
-                dir_bytes(final) / 2**20,
+                "saved checkpoint %s in %.1f s (%.1f MiB)", final, time.perf_counter() - start, dir_bytes(final) / 2**20
             )
-        dist.barrier()
 
-    def _prune(self) -> None:
-        saves = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        on_rank0(publish, CheckpointError)
+
+    def _prune(self, newest: Path) -> None:
+        """Delete all but the newest `keep_last` saves up to `newest` (the one just written; saves after it
+        were set aside when the run resumed, see set_aside_after)."""
+        saves = sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name <= newest.name)
         for old in saves[: max(len(saves) - self.keep_last, 0)]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def set_aside_after(self, step: int) -> None:
+        """A run resuming at `step` moves later saves (another line of training, or damaged ones it skipped)
+        to <dir>/set_aside/, where pruning never looks: kept for the user, out of resume=auto's way."""
+
+        def move() -> None:
+            for later in sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name > step_dir_name(step)):
+                target = self.root / "set_aside" / f"{later.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+                target.parent.mkdir(exist_ok=True)
+                later.rename(target)
+                log.warning("resuming at step %d: moved the later save %s to %s", step, later.name, target)
+            remaining = sorted(p.name for p in self.root.glob("step_*") if p.is_dir())
+            if (self.root / LATEST).is_file():
+                if remaining:
+                    atomic_write(self.root / LATEST, remaining[-1])
+                else:
+                    (self.root / LATEST).unlink()
+
+        on_rank0(move, CheckpointError)
 
     # ----- finding ----------------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
         """The newest save whose manifest checks out, the same on every rank; skipped ones are logged."""
-        found = find_latest_complete(self.root) if self.ctx.rank == 0 else None
-        found = broadcast_object(str(found) if found else None, src=0)
+        found = on_rank0(lambda: find_latest_complete(self.root), CheckpointError)
         return Path(found) if found else None
 
     # ----- loading ----------------------------------------------------------------------------------------
@@ -215,14 +237,8 @@ def read_run_state(path: Path) -> dict[str, Any]:
 
 
 def _run_common_state(path: Path) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
-    verify_complete(path)
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {path}: common.pt unreadable ({type(err).__name__}: {err})") from err
-    if common.get("format", {}).get("kind") != "run":
+    common = read_common(path)
+    if common["format"].get("kind") != "run":
         raise CheckpointError(
             f"{path} is not a run checkpoint (a converted model? start from it with "
             "model.init=mcore model.mcore_path=...)"
@@ -298,13 +314,9 @@ def _restore_rng(state: dict[str, Any]) -> None:
 
 
 def find_latest_complete(root: Path) -> Path | None:
-    """`latest` if it checks out, else the newest complete save; every skipped save is logged with why."""
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    pointer = root / LATEST
-    if pointer.is_file() and (root / pointer.read_text().strip()).is_dir():
-        named = root / pointer.read_text().strip()
-        candidates = [named] + [c for c in candidates if c != named]
-    for ckpt in candidates:
+    """The newest save that checks out; every newer one skipped is logged with why. (`latest` names the same
+    save unless a job was killed between a save's rename and the pointer's update: then this one is newer.)"""
+    for ckpt in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
         try:
             verify_complete(ckpt)
             return ckpt

@@ -7,6 +7,7 @@ from dapo_mcore.parallel.state import (
     check_layout,
     destroy_parallel,
     init_parallel,
+    on_rank0,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "check_layout",
     "destroy_parallel",
     "init_parallel",
+    "on_rank0",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -190,3 +191,19 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def on_rank0(fn: Callable[[], Any], error: type[Exception]) -> Any:
+    """Run `fn` on global rank 0 only and share its result; if it raises, raise `error` with its message on
+    every rank. Other ranks would otherwise wait in the next collective until the timeout (file-system work
+    done by rank 0: a full disk, a missing file)."""
+    outcome: tuple[bool, Any] = (True, None)
+    if dist.get_rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as err:  # shared, then re-raised on every rank below
+            outcome = (False, f"{type(err).__name__}: {err}" if not isinstance(err, error) else str(err))
+    ok, value = broadcast_object(outcome, src=0)
+    if not ok:
+        raise error(value)
+    return value

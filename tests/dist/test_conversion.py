@@ -10,7 +10,13 @@ import torch
 from tests.conftest import REPO
 from tests.helpers import save_tiny_model
 
-FAMILIES = [("llama", False), ("llama3", False), ("qwen2", False), ("qwen3", True)]
+# (family, tied embeddings, dtype of the HF checkpoint)
+FAMILIES = [
+    ("llama", False, torch.float32),
+    ("llama3", False, torch.float32),
+    ("qwen2", False, torch.float32),
+    ("qwen3", True, torch.bfloat16),
+]
 
 
 def tool(name, *args, expect=0):
@@ -35,17 +41,17 @@ def all_tensors(hf_dir):
     return tensors
 
 
-@pytest.mark.parametrize("family, tie", FAMILIES, ids=[f for f, _ in FAMILIES])
-def test_hf_to_mcore_to_hf_is_bit_identical_and_check_conversion_passes_at_tp1_and_tp2(tmp_path, family, tie):
+@pytest.mark.parametrize("family, tie, dtype", FAMILIES, ids=[f for f, _, _ in FAMILIES])
+def test_hf_to_mcore_to_hf_is_bit_identical_and_check_conversion_passes_at_tp1_and_tp2(tmp_path, family, tie, dtype):
     from transformers import AutoModelForCausalLM
 
-    hf = save_tiny_model(tmp_path / "hf", family, tie=tie)
+    hf = save_tiny_model(tmp_path / "hf", family, tie=tie, dtype=dtype)  # converted at config.json's dtype
     tool("convert_hf_to_mcore.py", hf, tmp_path / "mcore")
     tool("convert_mcore_to_hf.py", tmp_path / "mcore", tmp_path / "back")
     original, back = all_tensors(hf), all_tensors(tmp_path / "back")
     assert set(back) == set(original)
     for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
+        assert back[name].dtype == dtype and torch.equal(back[name], tensor), name
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "back")).__name__.lower().startswith(family[:5])
     for tp in (1, 2):
         out = tool("check_conversion.py", hf, tmp_path / "mcore", "--tp", tp).stdout

@@ -131,6 +131,10 @@ def test_resume_auto_falls_back_past_a_damaged_save_and_a_named_one_is_an_error(
     proc = cli(*train_args(run_dir, "checkpoint.resume=auto"))
     assert "skipping step_000006" in proc.stderr and "step_000004 at step 4" in proc.stderr
     assert without_timings(read_rows(run_dir)) == without_timings(read_rows(reference))
+    # the damaged later save was moved aside (kept, never pruned), and the new step_000006 is `latest`
+    assert [p.name[:11] for p in (run_dir / "checkpoints" / "set_aside").iterdir()] == ["step_000006"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000006"
+    verify_complete(run_dir / "checkpoints" / "step_000006")
     damaged = run_dir / "checkpoints" / "step_000006"
     shutil.rmtree(damaged)
     shutil.copytree(reference / "checkpoints" / "step_000006", damaged)

@@ -43,3 +43,14 @@ def test_a_checkpoint_of_another_model_names_every_differing_field(tmp_path):
     with pytest.raises(CheckpointError, match=r"num_layers: checkpoint 4, model.hf_path 2; qkv_bias: checkpoint False"):
         check_model_spec(saved, spec, tmp_path)
     check_model_spec(vars(spec), spec, tmp_path)  # the same model passes
+
+
+def test_pointing_at_the_checkpoint_directory_instead_of_a_save_is_named(tmp_path):
+    from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+
+    (tmp_path / "step_000002").mkdir()
+    with pytest.raises(CheckpointError, match="is a directory of saves, not one save: name one of them"):
+        verify_complete(tmp_path)
+    (tmp_path / "step_000002" / "MANIFEST.json").write_text('["not", "a", "manifest"]')
+    with pytest.raises(CheckpointError, match="MANIFEST.json is unreadable"):
+        verify_complete(tmp_path / "step_000002")
