@@ -15,7 +15,7 @@ import torch
 from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
-from dapo_mcore.checkpoint.model_checkpoint import check_model_spec, load_model_weights, read_format
+from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
@@ -73,8 +73,11 @@ class Run:
 @dataclass(frozen=True)
 class Resume:
     path: Path
-    step: int  # the next step to run
     run_state: dict[str, Any]
+
+    @property
+    def step(self) -> int:  # the next step to run
+        return int(self.run_state["step"])
 
 
 def build_run(cfg: RunConfig) -> Run:
@@ -304,11 +307,10 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
     if path is None:
         log.info("checkpoint.resume=auto: no complete save in %s, starting from step 0", checkpoints.root)
         return None
-    state = read_run_state(path)
-    check_model_spec(read_format(path)["model_spec"], spec, path)
-    log.info("resuming from %s at step %d", path, state["step"])
-    checkpoints.set_aside_after(int(state["step"]))
-    return Resume(path, int(state["step"]), state)
+    resume = Resume(path, read_run_state(path, spec))
+    log.info("resuming from %s at step %d", path, resume.step)
+    checkpoints.set_aside_after(resume.step)
+    return resume
 
 
 def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume: Resume | None) -> None:

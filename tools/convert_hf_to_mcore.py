@@ -9,10 +9,7 @@ config and tokenizer files, for tools/convert_mcore_to_hf.py. Runs in one proces
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
-from dapo_mcore.utils.errors import DapoError
 
 
 def main() -> int:
@@ -26,32 +23,13 @@ def main() -> int:
         help="storage dtype (default: config.json's)",
     )
     args = ap.parse_args()
-    from dapo_mcore.checkpoint.conversion import hf_to_mcore
-    from dapo_mcore.mcore.provider import load_hf_config
-    from dapo_mcore.parallel import destroy_parallel
+    from dapo_mcore.checkpoint.conversion import hf_to_mcore, run_conversion
 
-    if args.out_dir.exists():
-        print(f"convert_hf_to_mcore: {args.out_dir} exists; not overwriting it", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    try:
-        dtype = args.dtype or hf_dtype(load_hf_config(str(args.hf_dir)))
-        result = hf_to_mcore(args.hf_dir, args.out_dir, dtype)
-    except DapoError as err:
-        print(f"convert_hf_to_mcore: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_parallel()
-    print(
-        f"wrote {args.out_dir}: {result['parameters']:,} parameters ({dtype}), "
-        f"{result['bytes'] / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s"
-    )
-    return 0
+    def convert() -> str:
+        result = hf_to_mcore(args.hf_dir, args.out_dir, args.dtype)
+        return f"{result['parameters']:,} parameters ({result['dtype']}), {result['bytes'] / 2**20:.1f} MiB"
 
-
-def hf_dtype(config: dict) -> str:
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    return dtype.removeprefix("torch.")
+    return run_conversion("convert_hf_to_mcore", args.out_dir, convert)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,7 @@ OUT_DIR holds sharded safetensors with their index, config.json and the tokenize
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
-from dapo_mcore.utils.errors import DapoError
 
 
 def main() -> int:
@@ -26,25 +23,13 @@ def main() -> int:
         help="dtype of the exported tensors (default: the checkpoint's)",
     )
     args = ap.parse_args()
-    from dapo_mcore.checkpoint.conversion import mcore_to_hf
-    from dapo_mcore.parallel import destroy_parallel
+    from dapo_mcore.checkpoint.conversion import mcore_to_hf, run_conversion
 
-    if args.out_dir.exists():
-        print(f"convert_mcore_to_hf: {args.out_dir} exists; not overwriting it", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    try:
+    def convert() -> str:
         result = mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype)
-    except DapoError as err:
-        print(f"convert_mcore_to_hf: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_parallel()
-    print(
-        f"wrote {args.out_dir}: {result['bytes'] / 2**20:.1f} MiB of safetensors ({result['dtype']}) "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
-    return 0
+        return f"{result['bytes'] / 2**20:.1f} MiB of safetensors ({result['dtype']})"
+
+    return run_conversion("convert_mcore_to_hf", args.out_dir, convert)
 
 
 if __name__ == "__main__":

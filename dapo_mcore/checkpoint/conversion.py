@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,9 @@ from dapo_mcore.mcore.provider import (
     load_hf_config,
     read_model_spec,
 )
-from dapo_mcore.mcore.sharding import global_named_parameters
+from dapo_mcore.mcore.sharding import TPSplit, gather_full, global_named_parameters, tp_split_of
 from dapo_mcore.parallel import ParallelContext, init_parallel
-from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.utils.errors import CheckpointError, DapoError
 from dapo_mcore.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -68,11 +70,34 @@ def spec_from_checkpoint(ckpt: Path) -> ModelSpec:
 
 
 # ----- HF -> Megatron ----------------------------------------------------------------------------------------
-def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
-    """Write HF_DIR's weights as a model-only distributed checkpoint in OUT_DIR (single process, CPU)."""
+def run_conversion(prog: str, out_dir: Path, convert: Callable[[], str]) -> int:
+    """A converter's command line around `convert` (which returns a summary): refuse to overwrite, time it,
+    bad input as one line and exit 2, process group torn down."""
+    from dapo_mcore.parallel import destroy_parallel
+
+    if out_dir.exists():
+        print(f"{prog}: {out_dir} exists; not overwriting it", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        summary = convert()
+    except DapoError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_parallel()
+    print(f"wrote {out_dir}: {summary} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str = "") -> dict[str, Any]:
+    """Write HF_DIR's weights as a model-only distributed checkpoint in OUT_DIR (single process, CPU), stored
+    at `dtype` ("": config.json's)."""
     from megatron.core import dist_checkpointing
 
-    spec = read_model_spec(load_hf_config(str(hf_dir)))  # names any unsupported HF config field
+    config = load_hf_config(str(hf_dir))
+    spec = read_model_spec(config)  # names any unsupported HF config field
+    dtype = dtype or str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise CheckpointError(f"storage dtype {dtype!r} (from {hf_dir}/config.json?): use float32, bfloat16 or float16")
     ctx = init_parallel(1, 1, "cpu")
@@ -92,7 +117,8 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
     if out_dir.exists():
         raise CheckpointError(f"{out_dir} appeared while converting; the result is left in {tmp}")
     tmp.rename(out_dir)
-    return {"parameters": sum(p.numel() for c in chunks for p in c.parameters()), "bytes": dir_bytes(out_dir)}
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    return {"parameters": params, "bytes": dir_bytes(out_dir), "dtype": dtype}
 
 
 # ----- Megatron -> HF ----------------------------------------------------------------------------------------
@@ -118,13 +144,9 @@ def mcore_to_hf(ckpt: Path, out_dir: Path, dtype: str) -> dict[str, Any]:
 def full_hf_tensors(chunks: list[Any], family: LlamaFamilyMap) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of a TP=1 x PP=1 model (vocab padding removed), one parameter at a time."""
     for chunk in chunks:
-        for name, param in global_named_parameters(chunk):
-            if name == "output_layer.weight" and family.spec.tie_word_embeddings:
-                continue
-            tensor = param.detach()
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                tensor = tensor[: family.spec.vocab_size]
-            yield from family.mcore_to_hf(name, tensor)
+        for name, param in global_named_parameters(chunk):  # no TP group: gather_full only cuts the padding
+            full = gather_full(param.detach(), tp_split_of(name, param), None, family.spec.vocab_size)
+            yield from family.mcore_to_hf(name, full)  # a tied output layer maps to nothing
 
 
 # ----- the check ---------------------------------------------------------------------------------------------
@@ -169,17 +191,10 @@ def check_conversion(hf_dir: Path, ckpt: Path, tp: int, prompts: list[list[int]]
 
 @torch.no_grad()
 def _mcore_logits(ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], ids: list[int]) -> torch.Tensor:
-    """[S, V] logits, gathered over the vocab-parallel TP ranks, padding rows cut."""
-    import torch.distributed as dist
-
-    model = chunks[0].eval()
-    tokens = torch.tensor([ids])
-    local = model(tokens, torch.arange(len(ids))[None], None)[0]  # [S, V/tp]
-    if ctx.tp_size > 1:
-        parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
-        dist.all_gather(parts, local.contiguous(), group=ctx.pg.tp)
-        local = torch.cat(parts, dim=-1)
-    return local[:, : spec.vocab_size].float()
+    """[S, V] logits, gathered over the vocab-parallel TP ranks, padding columns cut."""
+    local = chunks[0].eval()(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0]  # [S, V/tp]
+    full = gather_full(local, TPSplit(dim=-1), ctx.pg.tp if ctx.tp_size > 1 else None, spec.vocab_size)
+    return full[:, : spec.vocab_size].float()
 
 
 def _mcore_logprobs(ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], prompts: list[list[int]]) -> list:

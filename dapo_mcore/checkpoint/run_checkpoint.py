@@ -230,9 +230,11 @@ class CheckpointManager:
         return {**common["run"], "step": common["format"]["step"]}
 
 
-def read_run_state(path: Path) -> dict[str, Any]:
-    """The run state of a save (next step, data position, sampler state, logger run id), weights not read."""
+def read_run_state(path: Path, spec: ModelSpec) -> dict[str, Any]:
+    """The run state of a save (next step, data position, sampler state, logger run id), after checking the
+    save holds the model `spec` describes; weights are not read."""
     common = _run_common_state(path)
+    check_model_spec(common["format"]["model_spec"], spec, path)
     return {**common["run"], "step": common["format"]["step"]}
 
 
