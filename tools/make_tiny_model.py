@@ -32,7 +32,7 @@ def sft_text(prompt: str, answer: str, rng: random.Random, p_answer_format: floa
     return prompt + FILLER * rng.randint(0, max_filler) + f"{label}: {answer}"
 
 
-def build_model(vocab_size: int, hidden: int, layers: int, tokenizer):
+def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -42,6 +42,8 @@ def build_model(vocab_size: int, hidden: int, layers: int, tokenizer):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        # vLLM's CPU attention kernels take head sizes of 32 and up, so the demo runs on every engine.
+        head_dim=head_dim,
         max_position_embeddings=128,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
@@ -82,6 +84,7 @@ def main() -> None:
     ap.add_argument("--out", default="examples/models/tiny-arith")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--max-operand", type=int, default=29)
     ap.add_argument("--p-answer-format", type=float, default=0.4)
     ap.add_argument("--max-filler", type=int, default=5)
@@ -101,7 +104,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     task = ArithmeticTask(0, args.max_operand, "+")
-    model = build_model(len(tokenizer), args.hidden, args.layers, tokenizer)
+    model = build_model(len(tokenizer), args.hidden, args.layers, args.head_dim, tokenizer)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     start = time.time()

@@ -81,6 +81,28 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Weights go to the engines in buckets of about this many MiB (peers use ~512).
     weight_bucket_mb: int = 512
+    # After each push, check every bucket's checksum on the engine side against the actor's (costs one
+    # extra pass over the weights); a mismatch stops the run naming the first tensor that differs.
+    verify_weights: bool = False
+    # Engine tensor-parallel size (vllm, sglang); may differ from the actor's TP. Engine replicas = world
+    # size / engine_tp_size, each generating for its share of the prompts.
+    engine_tp_size: int = 1
+    # Fraction of GPU memory an engine may hold for weights + KV cache (vLLM gpu_memory_utilization,
+    # SGLang mem_fraction_static); what the actor needs while generating must fit beside it.
+    gpu_memory_utilization: float = 0.5
+    # KV cache of an engine running on the CPU, in MiB.
+    cpu_kv_cache_mb: int = 512
+    # Tokens per engine forward pass (chunked prefill); 0: the engine's default.
+    max_num_batched_tokens: int = 0
+    # Longest prompt + response an engine accepts; 0: the model's max_position_embeddings.
+    max_model_len: int = 0
+    # Reuse the KV cache of shared prompt prefixes (the n answers of a prompt share it).
+    enable_prefix_caching: bool = True
+    # CUDA graphs for decoding (GPU only).
+    cuda_graphs: bool = True
+    # While the actor trains: 1 offloads the engine's weights to host memory and frees its KV cache;
+    # 2 frees both (the next push refreshes the weights); 0 keeps everything on the GPU. GPU only.
+    sleep_level: Literal[0, 1, 2] = 1
     # Rollout sampling seed; each (step, round, rank) derives its own stream from it.
     seed: int = 0
 

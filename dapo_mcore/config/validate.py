@@ -126,6 +126,15 @@ def _check_rollout(cfg: RunConfig) -> None:
     _require(ro.sampling.temperature > 0, "rollout.sampling.temperature must be > 0")
     _require(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p must be in (0, 1]")
     _require(ro.sampling.max_response_len >= 1, "rollout.sampling.max_response_len must be >= 1")
+    _require(ro.engine_tp_size >= 1, "rollout.engine_tp_size must be >= 1")
+    _require(
+        ro.engine_tp_size == 1 or ro.engine != "hf",
+        "rollout.engine_tp_size > 1 needs rollout.engine=vllm or sglang (the hf engine has no tensor parallelism)",
+    )
+    _require(0 < ro.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
+    _require(ro.cpu_kv_cache_mb >= 1, "rollout.cpu_kv_cache_mb must be >= 1")
+    _require(ro.max_num_batched_tokens >= 0, "rollout.max_num_batched_tokens must be >= 0 (0: engine default)")
+    _require(ro.max_model_len >= 0, "rollout.max_model_len must be >= 0 (0: the model's limit)")
 
 
 def _check_batches(cfg: RunConfig) -> None:

@@ -307,7 +307,8 @@ class MegatronActor(PolicyRunner):
         return metrics
 
     def _logprob_gap_metrics(self, samples: list[Sample], prefix: str) -> dict[str, float]:
-        """|logp_train - logp_rollout| over response tokens, and quantiles of the ratio exp(train - rollout)."""
+        """|logp_train - logp_rollout| over response tokens (mean, max), the k3 estimate of KL(engine || actor)
+        on the engine's samples, and quantiles of the ratio exp(train - rollout)."""
         local = [
             torch.tensor(s.old_logprobs) - torch.tensor(s.rollout_logprobs[: len(s.old_logprobs)])
             for s in samples
@@ -319,6 +320,9 @@ class MegatronActor(PolicyRunner):
         ratio = diff.exp()
         metrics = {
             f"{prefix}/abs_logp_diff_mean": diff.abs().mean().item(),
+            f"{prefix}/abs_logp_diff_max": diff.abs().max().item(),
+            # k3 (Schulman): E_engine[r - 1 - log r] with r = p_actor / p_engine, unbiased and >= 0
+            f"{prefix}/k3_kl": (ratio - 1 - diff).mean().item(),
             f"{prefix}/ratio_max": ratio.max().item(),
             f"{prefix}/ratio_min": ratio.min().item(),
         }

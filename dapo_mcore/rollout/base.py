@@ -12,10 +12,41 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     n: int
+    # 0: greedy decoding (log-probs then at temperature 1).
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
     # Seed of this request's sampling stream; the same seed and weights give the same responses.
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every adapter is built from (the trainer fills it from the `rollout` config section)."""
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    # False: the engine starts with placeholder weights; the actor's arrive through update_weights first.
+    load_weights: bool = True
+    # Engine tensor-parallel size (vLLM / SGLang); engine replicas = world size / tp_size.
+    tp_size: int = 1
+    # Fraction of accelerator memory the engine may take for weights + KV cache (vLLM gpu_memory_utilization,
+    # SGLang mem_fraction_static).
+    memory_fraction: float = 0.5
+    # KV cache of an engine on the CPU, in MiB (on the CPU a fraction would be of host memory).
+    cpu_kv_cache_mb: int = 512
+    # Tokens one engine forward pass may batch (prefill chunks); 0: the engine's default.
+    max_num_batched_tokens: int = 0
+    # Longest prompt + response the engine accepts; 0: the model's max_position_embeddings.
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+    # CUDA graphs for decoding (GPU only; the CPU always runs eagerly).
+    cuda_graphs: bool = True
+    # While the actor trains: vLLM sleep level 1 (weights to host, KV cache freed) or 2 (both freed; the
+    # next push refreshes the weights anyway); 0 keeps everything resident.
+    sleep_level: int = 1
+    # Engine-wide seed; each request also carries its own (SamplingParams.seed).
     seed: int = 0
 
 
@@ -44,3 +75,8 @@ class RolloutEngine(Protocol):
         """Take the memory back before generating."""
 
     def shutdown(self) -> None: ...
+
+
+def request_seeds(params: SamplingParams, n_prompts: int) -> list[int]:
+    """One seed per prompt of a generate call: the same prompts, seed and weights give the same answers."""
+    return [params.seed + i * params.n for i in range(n_prompts)]

@@ -10,36 +10,38 @@ from collections.abc import Iterable
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, SamplingParams
-from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams
+from dapo_mcore.rollout.model_info import check_weight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int = 256):
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int = 256, stop_ids: list[int] | None = None):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
+        # Every end-of-sequence id the model declares; the tokenizer's alone when not given.
+        self.stop_ids = stop_ids or [tokenizer.eos_token_id]
         self._params = dict(self.model.named_parameters())
+        self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
 
     @classmethod
-    def create(
-        cls,
-        model_path: str,
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_batch_rows: int = 256,
-        load_weights: bool = True,
-    ) -> HFEngine:
+    def create(cls, settings: EngineSettings, max_batch_rows: int = 256) -> HFEngine:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        if load_weights:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        from dapo_mcore.rollout.model_info import stop_token_ids
+
+        path, dtype = settings.model_path, _DTYPES[settings.dtype]
+        if settings.load_weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         else:  # weights arrive through update_weights before the first generate
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=_DTYPES[dtype])
-        return cls(model.to(device), AutoTokenizer.from_pretrained(model_path), max_batch_rows)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model.to(settings.device), tokenizer, max_batch_rows, stop_token_ids(path, tokenizer.eos_token_id))
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         rows = [ids for ids in prompt_ids for _ in range(params.n)]
@@ -52,7 +54,8 @@ class HFEngine:
     @torch.no_grad()
     def _generate_rows(self, rows: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
         pad_id = self.tokenizer.pad_token_id
-        eos_id = self.tokenizer.eos_token_id
+        if pad_id is None:
+            pad_id = self.stop_ids[0]
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
@@ -61,27 +64,22 @@ class HFEngine:
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                do_sample=True,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=0,
+                **_decoding(params),
                 max_new_tokens=params.max_new_tokens,
-                eos_token_id=eos_id,
+                eos_token_id=self.stop_ids,
                 pad_token_id=pad_id,
                 output_logits=True,
                 return_dict_in_generate=True,
             )
         new_tokens = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1).float() / params.temperature
+        logits = torch.stack(out.logits, dim=1).float() / (params.temperature or 1.0)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        return [
-            self._completion(new_tokens[i].tolist(), logprobs[i].tolist(), eos_id, params.max_new_tokens)
-            for i in range(len(rows))
-        ]
+        return [self._completion(new_tokens[i].tolist(), logprobs[i].tolist()) for i in range(len(rows))]
 
-    def _completion(self, tokens: list[int], logprobs: list[float], eos_id: int, max_new: int) -> Completion:
-        if eos_id in tokens:
-            cut = tokens.index(eos_id) + 1
+    def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
+        stops = [i for i, token in enumerate(tokens) if token in self.stop_ids]
+        if stops:  # the first end-of-sequence token ends the answer (it is kept); the rest is padding
+            cut = stops[0] + 1
             tokens, logprobs, reason = tokens[:cut], logprobs[:cut], "stop"
         else:
             reason = "length"
@@ -91,13 +89,8 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
-            param = self._params.get(name)
-            if param is None:
-                raise CheckpointError(f"HF engine: the model has no parameter named '{name}'")
-            if param.shape != tensor.shape:
-                raise CheckpointError(
-                    f"HF engine: '{name}' has shape {tuple(param.shape)}, the update has {tuple(tensor.shape)}"
-                )
+            check_weight(self.name, self._shapes, name, tuple(tensor.shape))
+            param = self._params[name]
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
 
     def release_memory(self) -> None:
@@ -112,3 +105,9 @@ class HFEngine:
     def shutdown(self) -> None:
         self.model = None
         self._params = {}
+
+
+def _decoding(params: SamplingParams) -> dict:
+    if params.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}

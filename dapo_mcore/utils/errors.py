@@ -4,6 +4,9 @@
 class DapoError(Exception):
     """Base of every user-facing error: the message alone must say what is wrong and how to fix it."""
 
+    # Raised alike on every rank (a bad config is bad everywhere), so rank 0 alone prints it.
+    same_on_every_rank = True
+
 
 class ConfigError(DapoError):
     """A config file, key, value or override is wrong."""
@@ -19,3 +22,9 @@ class LayoutError(DapoError):
 
 class CheckpointError(DapoError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class EngineError(DapoError):
+    """A rollout engine raised or its worker died; raised on the rank whose engine failed."""
+
+    same_on_every_rank = False

@@ -18,6 +18,7 @@ from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.mcore.sharding import gather_full, global_named_parameters, tp_split_of
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
 from dapo_mcore.rollout.base import RolloutEngine
+from dapo_mcore.weight_sync.verify import checksums, verified
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,38 @@ class WeightExporter:
         # The same ordered list of every stage's entries on every rank.
         self._stages: list[list[_Entry]] = all_gather_objects(mine, group=ctx.pg.pp) if ctx.pp_size > 1 else [mine]
 
-    def hf_weights(self, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self, grads: bool = False, verify: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for the whole model, on every rank. With grads=True, the gradients
-        (Megatron DDP's `main_grad`) instead of the weights, e.g. to compare parallel layouts."""
+        (Megatron DDP's `main_grad`) instead of the weights, e.g. to compare parallel layouts. With
+        verify=True, each tensor is checked against the checksum its owning stage took (weight_sync/verify.py)."""
         for stage, entries in enumerate(self._stages):
             for bucket in self._buckets(entries, grads):
-                for entry, tensor in zip(bucket, self._materialise(stage, bucket, grads)):
-                    yield from self.family.mcore_to_hf(entry.name, tensor)
+                if verify:
+                    named, sums = self._verified_bucket(stage, bucket, grads)
+                    yield from verified(named, sums)
+                else:
+                    yield from self._hf_bucket(bucket, self._materialise(stage, bucket, grads))
 
-    def push(self, engine: RolloutEngine) -> None:
-        engine.update_weights(self.hf_weights())
+    def push(self, engine: RolloutEngine, verify: bool = False) -> None:
+        engine.update_weights(self.hf_weights(verify=verify))
+
+    def _hf_bucket(self, bucket: list[_Entry], tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        return [pair for entry, tensor in zip(bucket, tensors) for pair in self.family.mcore_to_hf(entry.name, tensor)]
+
+    def _verified_bucket(
+        self, stage: int, bucket: list[_Entry], grads: bool
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+        """The bucket as HF tensors on this rank, and the checksums its owning stage took of them."""
+        ctx = self.ctx
+        owner = stage == ctx.pp_rank
+        gathered = self._gathered(bucket, grads) if owner else None
+        sums = checksums(self._hf_bucket(bucket, gathered)) if owner else []
+        named = self._hf_bucket(bucket, self._materialise(stage, bucket, grads, gathered))
+        if ctx.pp_size > 1:  # the owner's checksums travel with the bucket
+            sums_t = torch.tensor(sums or [0] * len(named), dtype=torch.int64, device=ctx.device)
+            dist.broadcast(sums_t, src=ctx.pp_global_ranks[stage], group=ctx.pg.pp)
+            sums = sums_t.tolist()
+        return named, sums
 
     def _local_tensor(self, name: str, grads: bool) -> torch.Tensor:
         param = self._params[name]
@@ -86,21 +109,29 @@ class WeightExporter:
             yield bucket
 
     @torch.no_grad()
-    def _materialise(self, stage: int, bucket: list[_Entry], grads: bool) -> list[torch.Tensor]:
+    def _gathered(self, bucket: list[_Entry], grads: bool) -> list[torch.Tensor]:
+        """This stage's full (TP-gathered) tensors of the bucket."""
+        tp_group = self.ctx.pg.tp if self.ctx.tp_size > 1 else None
+        return [
+            gather_full(
+                self._local_tensor(e.name, grads),
+                tp_split_of(e.name, self._params[e.name]),
+                tp_group,
+                self.family.spec.vocab_size,
+            )
+            for e in bucket
+        ]
+
+    @torch.no_grad()
+    def _materialise(
+        self, stage: int, bucket: list[_Entry], grads: bool, gathered: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The bucket's full tensors on every rank: gathered on its stage, broadcast to the other stages."""
         ctx = self.ctx
         if len({e.dtype for e in bucket}) > 1:
             raise TypeError("a weight bucket mixes dtypes; all parameters of a chunk share one dtype")
         if stage == ctx.pp_rank:
-            tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
-            tensors = [
-                gather_full(
-                    self._local_tensor(e.name, grads),
-                    tp_split_of(e.name, self._params[e.name]),
-                    tp_group,
-                    self.family.spec.vocab_size,
-                )
-                for e in bucket
-            ]
+            tensors = gathered if gathered is not None else self._gathered(bucket, grads)
             if ctx.pp_size == 1:
                 return tensors
             flat = torch.cat([t.reshape(-1) for t in tensors])

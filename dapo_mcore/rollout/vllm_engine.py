@@ -1,0 +1,146 @@
+"""vLLM inside the training processes: one engine replica per `tp_size` ranks, weights pushed in place.
+
+The engine runs in-process (V1 multiprocessing off). At engine TP > 1 it uses vLLM's `external_launcher`
+executor, made for SPMD programs like this one: every rank of an engine group builds the same LLM, makes the
+same generate calls and gets the same answers. Weights come from the actor as HF-named tensors and go through
+vLLM's in-place reload (`collective_rpc("reload_weights")`), which maps names (fused QKV, gate/up) and
+repacks for its kernels, as loading from disk would: no file is written.
+
+Only this module imports vllm (DESIGN.md: engines stay behind the adapter).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, request_seeds
+from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
+
+# vLLM reads these when it is imported and when the LLM starts; set before either happens.
+_ENV_DEFAULTS = {
+    # The engine lives in this process: no engine-core subprocess to die unseen or to leak.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # On the CPU, vLLM pins its OpenMP threads to cores; the actor shares this process and needs them too.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, llm, settings: EngineSettings):
+        self.llm, self.settings = llm, settings
+        self.on_cpu = settings.device == "cpu"
+        self.tokenizer = llm.get_tokenizer()
+        self.stop_ids = stop_token_ids(settings.model_path, self.tokenizer.eos_token_id)
+        self.shapes = hf_weight_shapes(settings.model_path)
+        self.asleep = False
+
+    @classmethod
+    def create(cls, settings: EngineSettings) -> VLLMEngine:
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        # vLLM drops torch to one thread unless OMP_NUM_THREADS is set, and on the CPU replaces
+        # torch.set_num_threads for the whole process: keep the actor's threads as they are.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        set_num_threads = torch.set_num_threads
+        from vllm import LLM
+
+        try:
+            # vLLM seeds the global RNGs when it starts; the actor's random streams must not move.
+            with torch.random.fork_rng(devices=[]):
+                llm = LLM(**_llm_kwargs(settings))
+        finally:
+            torch.set_num_threads = set_num_threads
+        return cls(llm, settings)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        requests = [
+            VSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=-1,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=self.stop_ids,
+                logprobs=0,  # the sampled token's log-prob only
+                seed=seed,
+                skip_special_tokens=True,
+            )
+            for seed in request_seeds(params, len(prompt_ids))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], requests, use_tqdm=False
+        )
+        return [[self._completion(out) for out in request.outputs] for request in outputs]
+
+    def _completion(self, out) -> Completion:
+        tokens = list(out.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
+        if out.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason={out.finish_reason!r}")
+        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=out.finish_reason, text=out.text)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.asleep and self.settings.sleep_level > 0:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until resume_memory
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._checked(named_tensors)})
+        self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
+
+    def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            check_weight(self.name, self.shapes, name, tensor.shape)
+            yield name, tensor
+
+    def release_memory(self) -> None:
+        if self.on_cpu or self.settings.sleep_level == 0 or self.asleep:
+            return  # vLLM's sleep mode frees nothing on the CPU
+        self.llm.sleep(level=self.settings.sleep_level)
+        self.asleep = True
+
+    def resume_memory(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+def _llm_kwargs(s: EngineSettings) -> dict:
+    on_cpu = s.device == "cpu"
+    kwargs = dict(
+        model=s.model_path,
+        dtype=s.dtype,
+        seed=s.seed,
+        load_format="auto" if s.load_weights else "dummy",
+        tensor_parallel_size=s.tp_size,
+        enable_prefix_caching=s.enable_prefix_caching,
+        # Log-probs after temperature (and top-p): the distribution the tokens were drawn from, as the
+        # actor's log-probs are computed at the same temperature.
+        logprobs_mode="processed_logprobs",
+        enforce_eager=on_cpu or not s.cuda_graphs,
+        enable_sleep_mode=not on_cpu and s.sleep_level > 0,
+        disable_log_stats=True,
+    )
+    if s.tp_size > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        # external_launcher takes the data-parallel size from the world: one engine replica per TP group.
+        kwargs["data_parallel_size"] = int(os.environ.get("WORLD_SIZE", "1")) // s.tp_size
+    if on_cpu:  # a fraction would be of the host's memory: give the KV cache a size instead
+        kwargs["kv_cache_memory_bytes"] = s.cpu_kv_cache_mb << 20
+    else:
+        kwargs["gpu_memory_utilization"] = s.memory_fraction
+    if s.max_num_batched_tokens > 0:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.max_model_len > 0:
+        kwargs["max_model_len"] = s.max_model_len
+    return kwargs

