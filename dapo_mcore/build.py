@@ -37,7 +37,7 @@ from dapo_mcore.mcore.provider import (
     read_model_spec,
     resolve_transformer_impl,
 )
-from dapo_mcore.parallel import ParallelContext, all_gather_objects, init_parallel
+from dapo_mcore.parallel import ParallelContext, all_gather_objects, destroy_parallel, init_parallel
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
@@ -92,6 +92,14 @@ def build_run(cfg: RunConfig) -> Run:
     )
     check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
+    try:
+        return build_pieces(cfg, ctx, spec)
+    except BaseException:
+        destroy_parallel()  # a failed start (bad checkpoint, engine that would not start) leaves no group behind
+        raise
+
+
+def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
     run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
     checkpoints = CheckpointManager(
         cfg.checkpoint.dir or run_dir / "checkpoints",

@@ -7,6 +7,7 @@ failure inside it stops the run with one message naming the engine (rollout/guar
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.guard import GuardedEngine
@@ -29,11 +30,12 @@ def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
     if name not in _ADAPTERS:
         raise ConfigError(f"rollout.engine must be one of {sorted(_ADAPTERS)}, got {name!r}")
     module_name, class_name, package, install = _ADAPTERS[name]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"rollout.engine={name} needs the '{package}' package: {install}")
     try:
         module = importlib.import_module(module_name)
-        importlib.import_module(package)
     except ModuleNotFoundError as err:
-        if err.name is None or err.name.split(".")[0] != package:
-            raise  # a missing dependency of the package itself is that package's problem, with its traceback
-        raise ConfigError(f"rollout.engine={name} needs the '{package}' package: {install}") from None
+        if err.name != module_name:
+            raise  # a dependency of the engine package itself is missing: its own traceback says which
+        raise ConfigError(f"rollout.engine={name}: this version has no {name} adapter yet (docs/engines.md)") from None
     return GuardedEngine(name, lambda: getattr(module, class_name).create(settings))

@@ -154,3 +154,35 @@ def test_sampler_state_round_trips():
     a, b = s.next_batch(1, PhaseTimer()), t.next_batch(1, PhaseTimer())
     assert [g.prompt.uid for g in a.groups] == [g.prompt.uid for g in b.groups]
     assert t.carry == s.carry and t.keep_rate.rate == s.keep_rate.rate
+
+
+def test_ranks_of_one_engine_replica_send_the_same_prompts_and_seeds():
+    """World 4 at engine TP=2: ranks {0,1} and {2,3} are two replicas; each replica takes half the prompts."""
+    seen = {}
+
+    class Recorder(ScriptedEngine):
+        def generate(self, prompt_ids, params):
+            seen[self.rank] = (prompt_ids, params.seed)
+            return super().generate(prompt_ids, params)
+
+    samplers = []
+    for rank in range(4):
+        engine = Recorder(half_right)
+        engine.rank = rank
+        samplers.append(
+            RolloutSampler(
+                engine,
+                FakeTokenizer(),
+                PromptStream(ArithmeticTask(0, 9), seed=0),
+                lambda pairs: VerifierPool("dapo", workers=0).verify(pairs),
+                SamplerSettings(**BASE),
+                rank=rank,
+                world_size=4,
+                all_gather=lambda obj: [obj] * 4,  # a stand-in: only the replica split is checked here
+                engine_tp_size=2,
+            )
+        )
+        samplers[-1]._generate_round(step=0, round_idx=0, n_prompts=8, timer=PhaseTimer())
+    assert seen[0] == seen[1] and seen[2] == seen[3]
+    assert seen[0][0] != seen[2][0] and seen[0][1] != seen[2][1]
+    assert len(seen[0][0]) + len(seen[2][0]) == 8

