@@ -248,6 +248,7 @@ def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
         cuda_graphs=ro.cuda_graphs,
         sleep_level=ro.sleep_level,
         seed=ro.seed,
+        weight_bucket_mb=ro.weight_bucket_mb,
     )
 
 

@@ -48,6 +48,8 @@ class EngineSettings:
     sleep_level: int = 1
     # Engine-wide seed; each request also carries its own (SamplingParams.seed).
     seed: int = 0
+    # Engines that receive weights through a serialising call (SGLang) send them in buckets of this size.
+    weight_bucket_mb: int = 512
 
 
 @dataclass

@@ -17,6 +17,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class HFEngine:
+    # The same seed and weights give the same answers.
+    seeded_sampling = True
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int = 256, stop_ids: list[int] | None = None):

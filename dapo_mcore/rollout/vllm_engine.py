@@ -29,6 +29,8 @@ _ENV_DEFAULTS = {
 
 
 class VLLMEngine:
+    # The same seed and weights give the same answers.
+    seeded_sampling = True
     name = "vllm"
 
     def __init__(self, llm, settings: EngineSettings):

@@ -26,6 +26,10 @@ REQUIRED_METRICS = (
     "actor/entropy",
     "actor/grad_norm",
     "time/step_s",
+    "mismatch/abs_logp_diff_max",
+    "mismatch/k3_kl",
+    "memory/after_generate_gb",
+    "memory/after_update_gb",
 )
 # A short run of the demo recipe: 3 steps of 4 prompts x 8 samples.
 SHORT = [

@@ -1,0 +1,165 @@
+"""SGLang's offline Engine as a rollout engine: one engine per rank, weights pushed from tensors in buckets.
+
+The Engine runs its scheduler in a child process; weights reach it through `update_weights_from_tensor`
+(serialised per bucket, between `begin_weight_update()` and `end_weight_update()`, outside which SGLang
+ignores them). On a GPU its memory saver frees the KV cache and weights while the actor trains
+(`release_memory_occupation`) and takes them back before generation.
+
+Only this module imports sglang (DESIGN.md: engines stay behind the adapter).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, request_seeds
+from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
+from dapo_mcore.utils.errors import ConfigError
+
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(self, engine, settings: EngineSettings):
+        self.engine, self.settings = engine, settings
+        self.on_cpu = settings.device == "cpu"
+        self.stop_ids = stop_token_ids(settings.model_path, _tokenizer_eos(settings.model_path))
+        self.shapes = hf_weight_shapes(settings.model_path)
+        self.bucket_bytes = settings.weight_bucket_mb << 20
+        self.released = False
+        # The same seed and weights give the same answers (deterministic inference, GPU only).
+        self.seeded_sampling = not self.on_cpu
+
+    @classmethod
+    def create(cls, settings: EngineSettings) -> SGLangEngine:
+        if settings.tp_size > 1:
+            raise ConfigError(
+                "rollout.engine=sglang runs one engine per rank (engine_tp_size=1) in this version; "
+                "use rollout.engine=vllm for engine tensor parallelism inside the trainer"
+            )
+        import sglang
+
+        return cls(sglang.Engine(**_engine_kwargs(settings)), settings)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        # One request per answer, each with its own seed (SGLang's seeded sampler draws the same tokens for
+        # the same seed and position, so n copies of one request would all be alike); the radix cache still
+        # computes each prompt once.
+        inputs, sampling = [], []
+        for ids, seed in zip(prompt_ids, request_seeds(params, len(prompt_ids))):
+            for j in range(params.n):
+                inputs.append(ids)
+                sampling.append(
+                    {
+                        "temperature": params.temperature,
+                        "top_p": params.top_p,
+                        "top_k": -1,
+                        "max_new_tokens": params.max_new_tokens,
+                        "stop_token_ids": self.stop_ids,
+                        "sampling_seed": seed + j,
+                        "skip_special_tokens": True,
+                    }
+                )
+        outputs = self.engine.generate(input_ids=inputs, sampling_params=sampling, return_logprob=True)
+        completions = [self._completion(out) for out in outputs]
+        return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
+
+    def _completion(self, out: dict) -> Completion:
+        meta = out["meta_info"]
+        reason = meta["finish_reason"]["type"]
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"SGLang ended a request with finish_reason={meta['finish_reason']!r}")
+        tokens = list(out["output_ids"])
+        logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
+        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text=out["text"])
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.released:
+            self.engine.resume_memory_occupation(tags=["weights"])
+        _ok(self.engine.begin_weight_update(), "begin_weight_update")
+        try:
+            for bucket in self._buckets(named_tensors):
+                _ok(self.engine.update_weights_from_tensor(bucket, flush_cache=False), "update_weights_from_tensor")
+        finally:
+            _ok(self.engine.end_weight_update(), "end_weight_update")
+        _ok(self.engine.flush_cache(), "flush_cache")  # cached prefixes were computed by the old weights
+
+    def _buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket, size = [], 0
+        for name, tensor in named_tensors:
+            check_weight(self.name, self.shapes, name, tuple(tensor.shape))
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def release_memory(self) -> None:
+        if self.on_cpu or self.settings.sleep_level == 0 or self.released:
+            return  # SGLang's memory saver needs CUDA; on the CPU it frees nothing
+        self.engine.release_memory_occupation()
+        self.released = True
+
+    def resume_memory(self) -> None:
+        if self.released:
+            self.engine.resume_memory_occupation()
+            self.released = False
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _ok(result, what: str) -> None:
+    """SGLang reports a refused call as (False, message) rather than raising."""
+    if isinstance(result, tuple) and result and result[0] is False:
+        raise RuntimeError(f"SGLang {what} refused: {result[1] if len(result) > 1 else result}")
+
+
+def _tokenizer_eos(model_path: str) -> int | None:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path).eos_token_id
+
+
+def _kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
+    return 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * itemsize
+
+
+def _engine_kwargs(s: EngineSettings) -> dict:
+    on_cpu = s.device == "cpu"
+    kwargs = dict(
+        model_path=s.model_path,
+        device=s.device,
+        dtype=s.dtype,
+        random_seed=s.seed,
+        load_format="auto" if s.load_weights else "dummy",
+        disable_radix_cache=not s.enable_prefix_caching,
+        disable_cuda_graph=on_cpu or not s.cuda_graphs,
+        enable_memory_saver=not on_cpu and s.sleep_level > 0,
+        # Per-request seeds (sampling_seed) are honoured only with deterministic inference on, which SGLang
+        # offers on GPU attention backends only: on the CPU its answers are not reproducible by seed.
+        enable_deterministic_inference=not on_cpu,
+        log_level="error",
+    )
+    if on_cpu:  # a fraction would be of the host's memory: bound the KV pool in tokens instead
+        kwargs["mem_fraction_static"] = 0.05
+        kwargs["max_total_tokens"] = (s.cpu_kv_cache_mb << 20) // _kv_bytes_per_token(s.model_path, s.dtype)
+    else:
+        kwargs["mem_fraction_static"] = s.memory_fraction
+    if s.max_num_batched_tokens > 0:
+        kwargs["chunked_prefill_size"] = s.max_num_batched_tokens
+    if s.max_model_len > 0:
+        kwargs["context_length"] = s.max_model_len
+    return kwargs

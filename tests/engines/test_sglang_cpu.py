@@ -1,0 +1,52 @@
+"""SGLang on the CPU: the engine contract (test_engine_contract.py) run inside SGLang's own test environment.
+
+SGLang's published wheel pins a CUDA torch; its offline Engine runs on these CPUs beside torch 2.13.0+cpu only
+through two bridges (tests/engines/sglang_cpu/: a start-up bridge for torchvision and the CPU-engine switch,
+and a stand-in sgl_kernel that raises on any call). That environment is built here, apart from .venv, and
+the contract module runs in it for the sglang-cpu engine; the actor reference runs in this Python.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.engines.test_engine_contract import SGLANG_CPU_ENV
+
+SETUP = REPO / "tests/engines/sglang_cpu/setup_env.sh"
+VENV = REPO / ".venv-sglang-cpu"
+# The contract tests SGLang passes on the CPU; the seed test is skipped there (no seeded sampling, docs/engines.md).
+N_CONTRACT_TESTS = 4
+
+
+@pytest.fixture(scope="module")
+def sglang_python():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs SGLang's own build (the sglang-cuda contract tests)")
+    built = subprocess.run(["bash", str(SETUP), str(VENV)], capture_output=True, text=True, timeout=1200)
+    if built.returncode != 0:
+        pytest.skip(f"SGLang's CPU test environment could not be built:\n{built.stderr[-2000:]}")
+    return VENV / "bin/python"
+
+
+def test_sglang_keeps_the_engine_contract_on_the_cpu(sglang_python):
+    env = {
+        **os.environ,
+        SGLANG_CPU_ENV: "1",
+        "DAPO_ACTOR_PYTHON": sys.executable,
+        "DAPO_SGLANG_STUBS": str(REPO / "tests/engines/sglang_cpu/stubs"),
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [str(sglang_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s", "-k", "sglang-cpu"]
+    cmd.append(str(REPO / "tests/engines/test_engine_contract.py"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert re.search(rf"\b{N_CONTRACT_TESTS} passed, 1 skipped\b", proc.stdout), proc.stdout[-2000:]
