@@ -99,11 +99,16 @@ def export_hf(run: Run, ckpt: Path) -> None:
 def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
+    offload = run.cfg.rollout.offload_actor
     memory = {"memory/step_start_gb": memory_in_use_gb(run.ctx.device)}
+    if offload:
+        run.actor.offload_for_rollout()
     run.engine.resume_memory()
     batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
     memory["memory/after_generate_gb"] = memory_in_use_gb(run.ctx.device)
     run.engine.release_memory()
+    if offload:
+        run.actor.restore_after_rollout()
     memory["memory/engine_released_gb"] = memory_in_use_gb(run.ctx.device)
     metrics = {**batch.metrics, **memory}
     samples = batch.samples

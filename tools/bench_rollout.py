@@ -61,20 +61,23 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer(f"What is {i}+{2 * i + 1}?\n").input_ids for i in range(count)]
 
 
-def standalone_engine(name: str, model: str):
+def standalone_engine(name: str, args):
     from dapo_mcore.rollout.base import EngineSettings
     from dapo_mcore.rollout.registry import create_engine
 
-    return create_engine(name, EngineSettings(model_path=model, load_weights=True, cpu_kv_cache_mb=1024)), None
+    settings = EngineSettings(model_path=args.model, device=args.device, dtype=args.dtype, cpu_kv_cache_mb=1024)
+    return create_engine(name, settings), None
 
 
-def engine_in_trainer(model: str, run_dir: str):
+def engine_in_trainer(args, run_dir: str):
     from dapo_mcore.build import build_run
     from dapo_mcore.config import load_config
     from dapo_mcore.trainer import push_weights
 
     overrides = [
-        f"model.hf_path={model}",
+        f"model.hf_path={args.model}",
+        f"model.dtype={args.dtype}",
+        f"parallel.device={args.device}",
         "rollout.engine=vllm",
         "rollout.cpu_kv_cache_mb=1024",
         f"logging.run_dir={run_dir}",
@@ -96,9 +99,9 @@ def run_case(args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.case == "vllm-train":
-            engine, run = engine_in_trainer(args.model, f"{tmp}/run")
+            engine, run = engine_in_trainer(args, f"{tmp}/run")
         else:
-            engine, run = standalone_engine(args.case, args.model)
+            engine, run = standalone_engine(args.case, args)
         ids = prompts(AutoTokenizer.from_pretrained(args.model), args.prompts)
         params = lambda seed: SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new, seed=seed)
         engine.generate(ids[:2], params(0))  # warm-up: first-call set-up is not generation speed
@@ -120,7 +123,7 @@ def run_case(args) -> dict:
 def measure(args, case: str) -> dict:
     cmd = [sys.executable, __file__, "--case", case, "--model", args.model]
     cmd += ["--prompts", str(args.prompts), "--n", str(args.n), "--max-new", str(args.max_new)]
-    cmd += ["--repeats", str(args.repeats)]
+    cmd += ["--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"case {case} failed:\n{proc.stderr[-3000:]}")
@@ -135,6 +138,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process
     args = ap.parse_args()
     if args.case:
@@ -145,7 +150,8 @@ def main() -> None:
             args.model = str(make_model(Path(tmp) / "model"))
         results = [measure(args, case) for case in args.cases.split(",")]
     print(
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{platform.processor() or platform.machine()} ({args.device}, {args.dtype}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; "
         f"{args.prompts} prompts x {args.n} answers, up to {args.max_new} new tokens, {args.repeats} repeats"
     )
     base = next((r for r in results if r["case"] == "hf"), results[0])

@@ -79,6 +79,8 @@ def run_case(args) -> dict:
         overrides = [
             f"model.hf_path={args.model}",
             f"rollout.engine={args.engine}",
+            f"parallel.device={args.device}",
+            f"model.dtype={args.dtype}",
             f"rollout.weight_bucket_mb={args.case_bucket_mb}",
             f"rollout.verify_weights={str(args.verify).lower()}",
             f"logging.run_dir={tmp}/run",
@@ -118,6 +120,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify", action="store_true", help="with rollout.verify_weights (checksums)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--case-bucket-mb", type=int, help=argparse.SUPPRESS)  # one case, in this process
     args = ap.parse_args()
     if args.case_bucket_mb:
@@ -143,7 +147,9 @@ def main() -> None:
 
 def measure(args, bucket_mb: int) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--engine", args.engine, "--repeats", str(args.repeats)]
-    cmd += ["--case-bucket-mb", str(bucket_mb)] + (["--verify"] if args.verify else [])
+    cmd += ["--case-bucket-mb", str(bucket_mb), "--device", args.device, "--dtype", args.dtype] + (
+        ["--verify"] if args.verify else []
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"bucket {bucket_mb} MiB failed:\n{proc.stderr[-3000:]}")

@@ -103,6 +103,9 @@ class RolloutConfig:
     # While the actor trains: 1 offloads the engine's weights to host memory and frees its KV cache;
     # 2 frees both (the next push refreshes the weights); 0 keeps everything on the GPU. GPU only.
     sleep_level: Literal[0, 1, 2] = 1
+    # While the engine generates, free the actor's gradient buffers and move its optimizer moments to host
+    # memory, so the engine's KV cache can use that GPU memory; restored before the update.
+    offload_actor: bool = False
     # Rollout sampling seed; each (step, round, rank) derives its own stream from it.
     seed: int = 0
 

@@ -196,6 +196,32 @@ class MegatronActor(PolicyRunner):
         super().__init__(ctx, spec, chunks, settings)
         self.optimizer, self.scheduler = optimizer, scheduler
 
+    def offload_for_rollout(self) -> None:
+        """While the engine generates: free the DDP gradient buffers (Megatron-Core's offload_grad_buffers; they
+        are zeroed before the next backward anyway) and move the optimizer's moment tensors to host memory.
+        Parameters stay where they are: the old log-probs and the next push need them."""
+        on_gpu = self.ctx.device.type == "cuda"
+        for chunk in self.chunks:
+            chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=on_gpu)
+        self._move_optimizer_state(torch.device("cpu"))
+
+    def restore_after_rollout(self) -> None:
+        for chunk in self.chunks:
+            chunk.restore_grad_buffers(synchronize=False)
+        self._move_optimizer_state(self.ctx.device)
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        # Megatron's own optimizer.offload_to_cpu also moves the optimizer's params, which for fp32 models under
+        # the distributed optimizer are views of the model's parameters: moving them would cut that link.
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in inner:
+            if getattr(opt.config, "optimizer_cpu_offload", False):
+                continue  # already kept on the host (optimizer.cpu_offload)
+            for state in opt.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != device:
+                        state[key] = value.to(device, non_blocking=True)
+
     @property
     def sum_keys(self) -> tuple[str, ...]:
         """The per-mini-batch sums this actor reduces: loss numerator/denominator, entropy, loss statistics."""

@@ -190,3 +190,17 @@ def test_kl_penalty_builds_a_reference_model_only_when_beta_is_positive(tmp_path
     assert 0.0 < rows[0]["actor/kl"] < rows[1]["actor/kl"]
     proc = cli(*common, f"logging.run_dir={tmp_path}/nokl")
     assert "no reference model" in proc.stderr and "actor/kl" not in read_rows(tmp_path / "nokl")[0]
+
+
+def test_offloading_the_actor_while_generating_changes_no_metric(tmp_path):
+    """rollout.offload_actor frees the DDP grad buffers and moves the optimizer moments to the host during
+    generation and restores them for the update: the run must be the same step for step (CPU, fp32)."""
+    runs = {}
+    for offload in (False, True):
+        run_dir = tmp_path / f"offload-{offload}"
+        args = [*SHORT, "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}"]
+        cli("train", "examples/smoke_cpu.yaml", *args, f"rollout.offload_actor={str(offload).lower()}")
+        runs[offload] = [
+            {k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))} for row in read_rows(run_dir)
+        ]
+    assert runs[True] == runs[False] and len(runs[True]) == 3
