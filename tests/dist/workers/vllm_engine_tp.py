@@ -27,8 +27,9 @@ def main():
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))
     torch.save({"greedy": [g[0].token_ids for g in greedy]}, f"{out}.{dist.get_rank()}.pt")
-    engine.shutdown()
-    dist.destroy_process_group()
+    engine.shutdown()  # at engine TP > 1 vLLM's shutdown also ends the default process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
