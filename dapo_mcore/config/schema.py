@@ -121,7 +121,8 @@ class AdvantageConfig:
 
 @dataclass
 class RewardConfig:
-    # "dapo" (final answer after "Answer:"), "math_verify" (symbolic, LaTeX/boxed), or "module:function".
+    # "dapo" (final answer after "Answer:"), "math_verify" (symbolic, LaTeX/boxed), "gsm8k" (the final number),
+    # or "module:function".
     verifier: str = "dapo"
     # Reward for a correct / wrong final answer (paper: +1 / -1; use 1 / 0 for a 0-1 reward).
     correct: float = 1.0

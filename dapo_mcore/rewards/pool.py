@@ -22,6 +22,7 @@ from dapo_mcore.utils.imports import import_callable
 BUILTIN_VERIFIERS = {
     "dapo": "dapo_mcore.rewards.dapo_rule:is_correct",
     "math_verify": "dapo_mcore.rewards.math_verify_rule:is_correct",
+    "gsm8k": "dapo_mcore.rewards.gsm8k_rule:is_correct",
 }
 
 
@@ -33,7 +34,7 @@ class Verdict:
 
 
 def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
-    """'dapo', 'math_verify', or 'package.module:function' taking (response, reference) -> bool."""
+    """'dapo', 'math_verify', 'gsm8k', or 'package.module:function' taking (response, reference) -> bool."""
     return import_callable(BUILTIN_VERIFIERS.get(spec, spec), what=f"verifier (one of {sorted(BUILTIN_VERIFIERS)} or)")
 
 

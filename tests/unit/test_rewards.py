@@ -36,6 +36,12 @@ def test_normalisation_strips_latex_text_and_units():
         ("$x = 3$", "4", False),
         ("Answer: 19", "19", True),  # no LaTeX: falls back to the "Answer:" rule
         ("no answer at all", "19", False),
+        ("$\\boxed{\\dfrac12}$", "\\frac{1}{2}", True),  # equivalent LaTeX forms
+        ("$\\boxed{-3}$", "-3", True),  # negative numbers
+        ("$\\boxed{3}$", "-3", False),
+        ("$\\boxed{2, 1}$", "1, 2", True),  # several answers, any order
+        ("$\\boxed{12\\text{ cm}}$", "12", True),  # units
+        ("$\\boxed{x=5}$", "5", True),
     ],
 )
 def test_math_verify_compares_symbolically(response, reference, expected):
@@ -55,3 +61,29 @@ def test_math_verify_never_hands_model_text_to_sympy_parse_expr(monkeypatch):
     monkeypatch.setattr(math_verify.parser, "parse_expr_cached", refuse)
     assert math_is_correct("The result is 9^9^9^9 + 1/2", "1") is False
     assert math_is_correct("so \\boxed{3}", "3") is True
+
+
+@pytest.mark.parametrize(
+    "response, reference, expected",
+    [
+        ("She pays 3 + 15 = 18 dollars.\n#### 18", "18", True),
+        ("So the total is $1,203.", "1203", True),  # currency sign, thousands separator, full stop
+        ("The change is -2 degrees.", "-2", True),  # negative numbers
+        ("The change is 2 degrees.", "-2", False),
+        ("It costs 3.50 in all. Answer: 3.5", "3.5", True),  # compared by value
+        ("First 7 apples, then 12. #### 7", "12", False),  # the marked number counts, not the last one
+        ("Answer: 42\nThat took 3 steps.", "42", True),  # after 'Answer:', not the trailing count
+        ("no number at all", "4", False),
+        ("#### 5", "five", False),  # a reference that is not a number matches nothing
+    ],
+)
+def test_gsm8k_rule_compares_the_final_number(response, reference, expected):
+    from dapo_mcore.rewards.gsm8k_rule import is_correct as gsm8k_correct
+
+    assert gsm8k_correct(response, reference) is expected
+
+
+def test_gsm8k_is_a_builtin_verifier():
+    from dapo_mcore.rewards.pool import resolve_verifier
+
+    assert resolve_verifier("gsm8k")("#### 1,000", "1000")
