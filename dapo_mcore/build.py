@@ -20,6 +20,7 @@ from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_sta
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source
+from dapo_mcore.data.templates import PromptFormatter
 from dapo_mcore.mcore.actor import (
     ActorSettings,
     MegatronActor,
@@ -295,9 +296,10 @@ def build_sampler(
     )
     filter_spec = cfg.algorithm.dynamic_sampling.filter
     keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
+    formatter = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt)
     return RolloutSampler(
         engine,
-        tokenizer,
+        formatter,
         PromptStream(source, data.seed),
         verifiers.verify,
         sampler_settings(cfg),

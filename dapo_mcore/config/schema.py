@@ -263,6 +263,12 @@ class DataConfig:
     min_operand: int = 0
     max_operand: int = 29
     ops: str = "+"
+    # "chat": wrap each problem in the model's own chat template (chat / instruct models); "none": plain text.
+    template: Literal["none", "chat"] = "none"
+    # "dapo": the paper's instruction before and after each problem ("... Answer: $Answer ..."); "none": as is.
+    instruction: Literal["none", "dapo"] = "none"
+    # A system message for data.template=chat (empty: none).
+    system_prompt: str = ""
 
 
 @dataclass

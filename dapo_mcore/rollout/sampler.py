@@ -85,7 +85,7 @@ class RolloutSampler:
     def __init__(
         self,
         engine: RolloutEngine,
-        tokenizer: Any,
+        tokenizer: Any,  # the prompt encoder: tokenizer(text).input_ids (e.g. data.templates.PromptFormatter)
         prompts: PromptStream,
         verify: Callable[[list[tuple[str, str]]], list[Verdict]],
         settings: SamplerSettings,

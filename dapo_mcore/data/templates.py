@@ -1,0 +1,61 @@
+"""How a problem becomes the prompt tokens the engine sees: the model's own chat template (chat / instruct
+models) or plain text (base models), optionally wrapped in the DAPO paper's instruction.
+
+The engine's tokens are trained as they are (never re-tokenised from decoded text); only the prompt is made
+here. A PromptFormatter is called like a tokenizer: `formatter(problem).input_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dapo_mcore.utils.errors import ConfigError
+
+# The DAPO paper's instruction around each problem (its training data carries it; arXiv 2503.14476, sec. 4).
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+INSTRUCTIONS = {"none": ("", ""), "dapo": (DAPO_PREFIX, DAPO_SUFFIX)}
+
+
+@dataclass
+class _Encoded:
+    input_ids: list[int]
+
+
+class PromptFormatter:
+    def __init__(self, tokenizer: Any, template: str = "none", instruction: str = "none", system_prompt: str = ""):
+        if template not in ("none", "chat"):
+            raise ConfigError(f"data.template must be 'none' or 'chat', got {template!r}")
+        if instruction not in INSTRUCTIONS:
+            raise ConfigError(f"data.instruction must be one of {sorted(INSTRUCTIONS)}, got {instruction!r}")
+        if template == "chat" and not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "the model")
+            raise ConfigError(
+                f"data.template=chat: {name} has no chat template (a base model?); use data.template=none"
+            )
+        self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
+        self.prefix, self.suffix = INSTRUCTIONS[instruction]
+
+    def text(self, problem: str) -> str:
+        """The prompt as text (for logs and eval reports)."""
+        body = self.prefix + problem + self.suffix
+        if self.template == "none":
+            return body
+        return self.tokenizer.apply_chat_template(self._messages(body), add_generation_prompt=True, tokenize=False)
+
+    def __call__(self, problem: str) -> _Encoded:
+        body = self.prefix + problem + self.suffix
+        if self.template == "none":
+            return _Encoded(list(self.tokenizer(body).input_ids))
+        ids = self.tokenizer.apply_chat_template(self._messages(body), add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        return _Encoded(list(ids))
+
+    def _messages(self, body: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": body}]
