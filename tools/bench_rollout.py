@@ -121,12 +121,18 @@ def run_case(args) -> dict:
 
 
 def measure(args, case: str) -> dict:
-    cmd = [sys.executable, __file__, "--case", case, "--model", args.model]
-    cmd += ["--prompts", str(args.prompts), "--n", str(args.n), "--max-new", str(args.max_new)]
-    cmd += ["--repeats", str(args.repeats), "--device", args.device, "--dtype", args.dtype]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    case_args = ["--case", case, "--model", args.model, "--prompts", str(args.prompts), "--n", str(args.n)]
+    case_args += ["--max-new", str(args.max_new), "--repeats", str(args.repeats)]
+    case_args += ["--device", args.device, "--dtype", args.dtype]
+    return case_in_fresh_process(__file__, case_args, f"case {case}")
+
+
+def case_in_fresh_process(script: str, case_args: list[str], what: str) -> dict:
+    """One case of a benchmark script in a fresh Python process (so no case inherits another's threads or
+    memory); the case prints its result as JSON on its last line."""
+    proc = subprocess.run([sys.executable, script, *case_args], capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
-        raise SystemExit(f"case {case} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

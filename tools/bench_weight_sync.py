@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -149,14 +148,12 @@ def main() -> None:
 
 
 def measure(args, bucket_mb: int) -> dict:
-    cmd = [sys.executable, __file__, "--model", args.model, "--engine", args.engine, "--repeats", str(args.repeats)]
-    cmd += ["--case-bucket-mb", str(bucket_mb), "--device", args.device, "--dtype", args.dtype] + (
-        ["--verify"] if args.verify else []
-    )
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"bucket {bucket_mb} MiB failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from bench_rollout import case_in_fresh_process
+
+    case_args = ["--model", args.model, "--engine", args.engine, "--repeats", str(args.repeats)]
+    case_args += ["--case-bucket-mb", str(bucket_mb), "--device", args.device, "--dtype", args.dtype]
+    case_args += ["--verify"] if args.verify else []
+    return case_in_fresh_process(__file__, case_args, f"bucket {bucket_mb} MiB")
 
 
 if __name__ == "__main__":
