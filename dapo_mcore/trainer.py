@@ -18,6 +18,7 @@ from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.config import RunConfig
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
+from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb
@@ -99,17 +100,7 @@ def export_hf(run: Run, ckpt: Path) -> None:
 def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
-    offload = run.cfg.rollout.offload_actor
-    memory = {"memory/step_start_gb": memory_in_use_gb(run.ctx.device)}
-    if offload:
-        run.actor.offload_for_rollout()
-    run.engine.resume_memory()
-    batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
-    memory["memory/after_generate_gb"] = memory_in_use_gb(run.ctx.device)
-    run.engine.release_memory()
-    if offload:
-        run.actor.restore_after_rollout()
-    memory["memory/engine_released_gb"] = memory_in_use_gb(run.ctx.device)
+    batch, memory = rollout_phase(run, step, timer)
     metrics = {**batch.metrics, **memory}
     samples = batch.samples
     if samples:  # an empty batch (nothing kept at the round cap) makes no update
@@ -124,6 +115,23 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         with timer.phase("weight_push"):
             push_weights(run)
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
+
+
+def rollout_phase(run: Run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    """Hand the accelerator to the engine, generate the step's batch, hand it back to the actor; the memory in
+    use at each hand-over point is returned as metrics."""
+    device, offload = run.ctx.device, run.cfg.rollout.offload_actor
+    memory = {"memory/step_start_gb": memory_in_use_gb(device)}
+    if offload:
+        run.actor.offload_for_rollout()
+    run.engine.resume_memory()
+    batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
+    memory["memory/after_generate_gb"] = memory_in_use_gb(device)
+    run.engine.release_memory()
+    if offload:
+        run.actor.restore_after_rollout()
+    memory["memory/engine_released_gb"] = memory_in_use_gb(device)
+    return batch, memory
 
 
 def push_weights(run: Run) -> None:
