@@ -3,6 +3,7 @@
     dapo-mcore train CONFIG.yaml [section.key=value ...]     run DAPO (single process, or under torchrun/srun)
     dapo-mcore config CONFIG.yaml [section.key=value ...]    print the resolved config
     dapo-mcore keys                                          list every config key
+    dapo-mcore eval MODEL_DIR --data FILE.jsonl [...]        avg@k / pass@k / maj@k of a model on prompt files
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
 """
@@ -42,7 +43,43 @@ def _parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
     keys = sub.add_parser("keys", help="list every config key with its default")
     keys.set_defaults(func=_list_keys)
+    _add_eval_parser(sub)
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    cmd = sub.add_parser("eval", help="avg@k, pass@k and maj@k of a model on prompt files")
+    cmd.add_argument("model", help="HF model directory")
+    cmd.add_argument("--data", nargs="+", required=True, help="prompt files (.jsonl of {prompt, answer})")
+    cmd.add_argument("--k", type=int, default=32, help="answers per problem (default 32, as AIME avg@32)")
+    cmd.add_argument("--engine", default="hf", choices=["hf", "vllm", "sglang"])
+    cmd.add_argument("--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function")
+    cmd.add_argument("--temperature", type=float, default=1.0)
+    cmd.add_argument("--top-p", type=float, default=1.0)
+    cmd.add_argument("--max-new-tokens", type=int, default=1024)
+    cmd.add_argument("--template", default="none", choices=["none", "chat"])
+    cmd.add_argument("--instruction", default="none", choices=["none", "dapo"])
+    cmd.add_argument("--device", default="cpu")
+    cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--out", help="write the results as JSON here")
+    cmd.set_defaults(func=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from dapo_mcore.evaluate import EvalSettings, run_eval
+    from dapo_mcore.utils.errors import ConfigError
+
+    if args.k < 1 or args.max_new_tokens < 1 or args.temperature < 0:
+        raise ConfigError("eval: need --k >= 1, --max-new-tokens >= 1 and --temperature >= 0")
+    settings = EvalSettings(
+        k=args.k, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
+    )
+    run_eval(
+        args.model, args.data, args.engine, args.verifier, settings,
+        template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
+    )  # fmt: skip
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:

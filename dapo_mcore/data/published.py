@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.utils.errors import DataError
+from dapo_mcore.utils.latex import last_boxed
 
 LAYOUTS = ("dapo-math", "gsm8k", "math", "aime")
 
@@ -164,21 +165,6 @@ def _aime(row: dict[str, Any]) -> tuple[str, str]:
 
 
 _CONVERTERS = {"dapo-math": _dapo_math, "gsm8k": _gsm8k, "math": _math, "aime": _aime}
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None when there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth, begin = 1, i
-    while i < len(text):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i].strip()
-        i += 1
-    return None  # unbalanced braces: no answer rather than a guess
 
 
 def deduplicate(rows: list[PromptRow]) -> tuple[list[PromptRow], list[tuple[PromptRow, PromptRow]]]:

@@ -8,8 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo_mcore.data.datasets import load_jsonl_prompts
-from dapo_mcore.data.published import convert_file, last_boxed
+from dapo_mcore.data.published import convert_file
 from dapo_mcore.utils.errors import DataError
+from dapo_mcore.utils.latex import last_boxed
 from tools.prepare_data import main
 
 DAPO_ROWS = [

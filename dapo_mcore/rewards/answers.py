@@ -1,0 +1,34 @@
+"""The final answer of a response as each verifier reads it, normalised, for majority voting (maj@k).
+
+Two responses vote for the same answer when these strings are equal. A custom verifier ('module:function')
+votes with the DAPO rule's extraction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dapo_mcore.rewards import dapo_rule, gsm8k_rule
+from dapo_mcore.utils.latex import last_boxed
+
+
+def _dapo(text: str) -> str | None:
+    found = dapo_rule.extract_answer(text)
+    return None if found is None else dapo_rule.normalize_answer(found)
+
+
+def _boxed_or_dapo(text: str) -> str | None:
+    boxed = last_boxed(text[-1000:])
+    return dapo_rule.normalize_answer(boxed) if boxed is not None else _dapo(text)
+
+
+def _gsm8k(text: str) -> str | None:
+    value = gsm8k_rule.final_number(text)
+    return None if value is None else format(value.normalize(), "f")
+
+
+_EXTRACTORS: dict[str, Callable[[str], str | None]] = {"dapo": _dapo, "math_verify": _boxed_or_dapo, "gsm8k": _gsm8k}
+
+
+def answer_extractor(verifier: str) -> Callable[[str], str | None]:
+    return _EXTRACTORS.get(verifier, _dapo)

@@ -1,0 +1,62 @@
+"""`dapo-mcore eval`: metrics from a fixed set of answers computed by hand, and the command on the demo model."""
+
+import json
+
+import pytest
+
+from dapo_mcore.cli import main
+from dapo_mcore.data.types import Prompt
+from dapo_mcore.evaluate import EvalSettings, evaluate_file
+from dapo_mcore.rewards.answers import answer_extractor
+from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.base import Completion
+from tests.conftest import REPO
+
+# two problems, 4 answers each: what a scripted engine says
+SCRIPT = {
+    "p1": ["Answer: 5", "Answer: 5", "Answer: 6", "no idea"],  # 2 right; majority 5 (right)
+    "p2": ["Answer: 1", "Answer: 3", "Answer: 3", "Answer: 2"],  # 1 right; majority 3 (wrong)
+}
+
+
+class Scripted:
+    def generate(self, prompt_ids, params):
+        texts = ["".join(chr(i) for i in ids) for ids in prompt_ids]
+        return [[Completion([1], [-1.0], "stop", t) for t in SCRIPT[text][: params.n]] for text in texts]
+
+
+class Encoded:
+    def __init__(self, text):
+        self.input_ids = [ord(c) for c in text]
+
+
+def test_metrics_of_a_fixed_set_of_answers_equal_the_hand_computation():
+    prompts = [Prompt("p1", "5", "a:1"), Prompt("p2", "1", "a:2")]
+    pool = VerifierPool("dapo", workers=0)
+    got = evaluate_file(Scripted(), Encoded, prompts, pool.verify, answer_extractor("dapo"), EvalSettings(k=4))
+    assert got["problems"] == 2
+    assert got["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert got["pass@1"] == pytest.approx(got["avg@4"])
+    # pass@2: 1 - C(2,2)/C(4,2) = 5/6 and 1 - C(3,2)/C(4,2) = 1/2
+    assert got["pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)
+    assert got["pass@4"] == pytest.approx(1.0)
+    assert got["maj@4"] == pytest.approx(0.5)
+
+
+def test_eval_command_on_the_demo_model_writes_json_and_a_table(tmp_path, capsys):
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a}+{a + 1}?\n", "answer": 2 * a + 1}) + "\n"
+                            for a in range(6)))  # fmt: skip
+    out = tmp_path / "eval.json"
+    model = str(REPO / "examples/models/tiny-arith")
+    code = main(["eval", model, "--data", str(data), "--k", "4", "--max-new-tokens", "32", "--out", str(out)])
+    assert code == 0
+    metrics = json.loads(out.read_text())["files"][str(data)]
+    assert metrics["problems"] == 6 and set(metrics) >= {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4"}
+    assert metrics["pass@1"] == pytest.approx(metrics["avg@4"]) and metrics["pass@4"] >= metrics["pass@2"]
+    assert "avg@4" in capsys.readouterr().out
+
+
+def test_eval_of_something_that_is_not_a_model_directory_is_one_line(tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "--data", "x.jsonl"]) == 2
+    assert "is not an HF model directory" in capsys.readouterr().err
