@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -77,6 +77,26 @@ class RolloutEngine(Protocol):
         """Take the memory back before generating."""
 
     def shutdown(self) -> None: ...
+
+
+class SleepState:
+    """Which of an engine's memory pools are released while the actor trains, so that each is taken back
+    exactly once: the weights when a push arrives, the rest (KV cache, graphs) before generating."""
+
+    def __init__(self, enabled: bool, tags: tuple[str, ...]):
+        self.enabled, self.tags = enabled, tags
+        self.asleep: set[str] = set()
+
+    def release(self, release_all: Callable[[], object]) -> None:
+        if self.enabled and not self.asleep:
+            release_all()
+            self.asleep = set(self.tags)
+
+    def wake(self, wake_tags: Callable[[list[str]], object], only: tuple[str, ...] | None = None) -> None:
+        waking = self.asleep & set(only) if only else set(self.asleep)
+        if waking:
+            wake_tags(sorted(waking))
+            self.asleep -= waking
 
 
 def request_seeds(params: SamplingParams, n_prompts: int) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, request_seeds
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, SleepState, request_seeds
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 from dapo_mcore.utils.errors import ConfigError
 
@@ -30,7 +30,8 @@ class SGLangEngine:
         self.stop_ids = stop_token_ids(settings.model_path, _tokenizer_eos(settings.model_path))
         self.shapes = hf_weight_shapes(settings.model_path)
         self.bucket_bytes = settings.weight_bucket_mb << 20
-        self.released = False
+        # SGLang's memory saver needs CUDA; on the CPU release/resume would free nothing
+        self.sleep = SleepState(not self.on_cpu and settings.sleep_level > 0, ("weights", "kv_cache", "cuda_graph"))
         # The same seed and weights give the same answers (deterministic inference, GPU only).
         self.seeded_sampling = not self.on_cpu
 
@@ -78,8 +79,7 @@ class SGLangEngine:
         return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text=out["text"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.released:
-            self.engine.resume_memory_occupation(tags=["weights"])
+        self.sleep.wake(lambda tags: self.engine.resume_memory_occupation(tags=tags), only=("weights",))
         _ok(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in self._buckets(named_tensors):
@@ -101,15 +101,10 @@ class SGLangEngine:
             yield bucket
 
     def release_memory(self) -> None:
-        if self.on_cpu or self.settings.sleep_level == 0 or self.released:
-            return  # SGLang's memory saver needs CUDA; on the CPU it frees nothing
-        self.engine.release_memory_occupation()
-        self.released = True
+        self.sleep.release(self.engine.release_memory_occupation)
 
     def resume_memory(self) -> None:
-        if self.released:
-            self.engine.resume_memory_occupation()
-            self.released = False
+        self.sleep.wake(lambda tags: self.engine.resume_memory_occupation(tags=tags))
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, request_seeds
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, SleepState, request_seeds
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
@@ -39,7 +39,8 @@ class VLLMEngine:
         self.tokenizer = llm.get_tokenizer()
         self.stop_ids = stop_token_ids(settings.model_path, self.tokenizer.eos_token_id)
         self.shapes = hf_weight_shapes(settings.model_path)
-        self.asleep = False
+        # vLLM's sleep mode frees nothing on the CPU
+        self.sleep = SleepState(not self.on_cpu and settings.sleep_level > 0, ("weights", "kv_cache"))
 
     @classmethod
     def create(cls, settings: EngineSettings) -> VLLMEngine:
@@ -55,6 +56,9 @@ class VLLMEngine:
             # vLLM seeds the global RNGs when it starts; the actor's random streams must not move.
             with torch.random.fork_rng(devices=[]):
                 llm = LLM(**_llm_kwargs(settings))
+        except BaseException:
+            _forget_groups()
+            raise
         finally:
             torch.set_num_threads = set_num_threads
         return cls(llm, settings)
@@ -90,8 +94,7 @@ class VLLMEngine:
         return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=out.finish_reason, text=out.text)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.asleep and self.settings.sleep_level > 0:
-            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until resume_memory
+        self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags), only=("weights",))  # KV cache: at resume
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._checked(named_tensors)})
         self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
 
@@ -101,15 +104,10 @@ class VLLMEngine:
             yield name, tensor
 
     def release_memory(self) -> None:
-        if self.on_cpu or self.settings.sleep_level == 0 or self.asleep:
-            return  # vLLM's sleep mode frees nothing on the CPU
-        self.llm.sleep(level=self.settings.sleep_level)
-        self.asleep = True
+        self.sleep.release(lambda: self.llm.sleep(level=self.settings.sleep_level))
 
     def resume_memory(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags))
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -146,3 +144,14 @@ def _llm_kwargs(s: EngineSettings) -> dict:
     if s.max_model_len > 0:
         kwargs["max_model_len"] = s.max_model_len
     return kwargs
+
+
+def _forget_groups() -> None:
+    """After a failed start: drop the process groups vLLM registered, so that a later engine in this process
+    starts clean (the default group is the trainer's and stays)."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None

@@ -65,3 +65,19 @@ def test_engine_tp_above_one_needs_an_engine_with_tensor_parallelism(capsys, tmp
     code = main(["train", str(REPO / "examples/smoke_cpu.yaml"), "rollout.engine_tp_size=2"])
     assert code == 2
     assert "rollout.engine_tp_size > 1 needs rollout.engine=vllm or sglang" in capsys.readouterr().err
+
+
+def test_sleep_state_takes_each_released_pool_back_once():
+    from dapo_mcore.rollout.base import SleepState
+
+    calls = []
+    sleep = SleepState(True, ("weights", "kv_cache"))
+    sleep.wake(calls.append)  # nothing released yet: nothing to wake
+    sleep.release(lambda: calls.append("release"))
+    sleep.release(lambda: calls.append("release"))  # already released
+    sleep.wake(calls.append, only=("weights",))  # a push: the weights only
+    sleep.wake(calls.append)  # before generating: what is still released
+    assert calls == ["release", ["weights"], ["kv_cache"]]
+    off = SleepState(False, ("weights",))
+    off.release(lambda: calls.append("never"))
+    assert "never" not in calls
