@@ -50,7 +50,10 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
     elif suffix == ".jsonl":
         yield from _jsonl_rows(path)
     elif suffix == ".json":
-        rows = _load_json(path.read_text(encoding="utf-8"), path)
+        try:
+            rows = _load_json(path.read_text(encoding="utf-8"), path)
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: not UTF-8 text") from None
         if not isinstance(rows, list):
             raise DataError(f"{path}: expected a JSON list of rows, got {type(rows).__name__}")
         yield from rows
@@ -69,10 +72,13 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if line.strip():
-                yield _load_json(line, f"{path}:{line_no}")
+    for line_no, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{line_no}: not UTF-8 text (byte {err.start})") from None
+        if line.strip():
+            yield _load_json(line, f"{path}:{line_no}")
 
 
 def _load_json(text: str, where: object) -> Any:

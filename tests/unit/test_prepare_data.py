@@ -97,6 +97,9 @@ def test_unreadable_files_and_unknown_layouts_are_named(tmp_path):
         convert_file(tmp_path / "bad.jsonl")
     with pytest.raises(DataError, match="cannot tell the layout from the columns"):
         convert_file(write_jsonl(tmp_path / "other.jsonl", [{"text": "t", "label": 1}]))
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"problem": "p", "answer": 1}\n{"problem": "caf\xe9", "answer": 2}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        convert_file(tmp_path / "latin1.jsonl")
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unknown file type '.csv'"):
         convert_file(tmp_path / "x.csv")
