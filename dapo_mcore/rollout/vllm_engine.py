@@ -137,6 +137,10 @@ def _llm_kwargs(s: EngineSettings) -> dict:
         kwargs["data_parallel_size"] = int(os.environ.get("WORLD_SIZE", "1")) // s.tp_size
     if on_cpu:  # a fraction would be of the host's memory: give the KV cache a size instead
         kwargs["kv_cache_memory_bytes"] = s.cpu_kv_cache_mb << 20
+        # A seeded request whose prompt is prefilled in parts makes vLLM rewind its generator with
+        # Generator.set_offset, which CPU generators lack ("CPU Generator does not use offset"): prefill
+        # whole prompts only.
+        kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = s.memory_fraction
     if s.max_num_batched_tokens > 0:

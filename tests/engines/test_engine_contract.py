@@ -143,6 +143,18 @@ def test_the_same_seed_and_weights_give_the_same_answers(engine, tokenizer):
     assert tokens(first) != tokens(other)
 
 
+def test_seeded_requests_longer_than_one_engine_step_are_answered(engine, tokenizer):
+    # 128 requests of 100 prompt tokens: more than one engine step's token budget (vLLM's 4096 on the CPU),
+    # so a prefill can be cut in parts; vLLM's CPU path crashed on seeded requests cut so.
+    long_prompt = (tokenizer("What is 3+4?\n").input_ids * 20)[:100]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    out = engine.generate([long_prompt] * 64, params)
+    assert len(out) == 64 and all(len(group) == 2 and group[0].token_ids for group in out)
+    if engine.inner.seeded_sampling:
+        again = engine.generate([long_prompt] * 64, params)
+        assert [[c.token_ids for c in g] for g in out] == [[c.token_ids for c in g] for g in again]
+
+
 def test_a_push_with_an_unknown_name_or_a_wrong_shape_is_an_error(engine):
     with pytest.raises(CheckpointError, match="no parameter named 'model.layers.9.mlp.up_proj.weight'"):
         engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
