@@ -96,6 +96,8 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags), only=("weights",))  # KV cache: at resume
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._checked(named_tensors)})
+        if self.on_cpu:
+            self.llm.collective_rpc(_repack_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached prefixes were computed by the old weights
 
     def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -148,6 +150,16 @@ def _llm_kwargs(s: EngineSettings) -> dict:
     if s.max_model_len > 0:
         kwargs["max_model_len"] = s.max_model_len
     return kwargs
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """On the CPU, vLLM runs each linear layer through a kernel handle packed from its weight when the layer is
+    processed. A reload re-processes the layers it loads, but a tied LM head receives no weight of its own (it
+    shares the embedding's), so it would keep multiplying by the weights it was first packed from: repack it."""
+    model = worker.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and head.weight is embed.weight:
+        head.quant_method.process_weights_after_loading(head)
 
 
 def _forget_groups() -> None:

@@ -21,7 +21,7 @@ from tests.engines.test_engine_contract import SGLANG_CPU_ENV
 SETUP = REPO / "tests/engines/sglang_cpu/setup_env.sh"
 VENV = REPO / ".venv-sglang-cpu"
 # The contract tests SGLang passes on the CPU; the seed test is skipped there (no seeded sampling, docs/engines.md).
-N_CONTRACT_TESTS = 4
+N_CONTRACT_TESTS = 6
 
 
 @pytest.fixture(scope="module")
