@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
-from dapo_mcore.data.datasets import PromptStream, build_prompt_source
+from dapo_mcore.config.validate import eval_file_list
+from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter
+from dapo_mcore.data.types import Prompt
 from dapo_mcore.mcore.actor import (
     ActorSettings,
     MegatronActor,
@@ -39,10 +42,12 @@ from dapo_mcore.mcore.provider import (
     resolve_transformer_impl,
 )
 from dapo_mcore.parallel import ParallelContext, all_gather_objects, destroy_parallel, init_parallel
+from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
+from dapo_mcore.rollout.validation import EvalSettings, Validator
 from dapo_mcore.utils.errors import CheckpointError, LayoutError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
@@ -69,6 +74,16 @@ class Run:
     spec: ModelSpec
     checkpoints: CheckpointManager
     resume: Resume | None  # the save this run continues from
+    validator: Validator | None = None  # only with trainer.eval_interval > 0
+
+
+@dataclass(frozen=True)
+class PromptSetup:
+    """What turns data into prompts: built before the model, so bad data or a template fail fast."""
+
+    formatter: PromptFormatter
+    source: Sequence[Prompt]
+    eval_sets: dict[str, list[Prompt]]
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
     resume = find_resume(cfg, checkpoints, run_dir, spec)
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
+    prompts = build_prompt_setup(cfg, tokenizer)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
@@ -127,7 +143,8 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
     exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
     reward = cfg.algorithm.reward
     verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
-    sampler = build_sampler(cfg, ctx, engine, tokenizer, verifiers)
+    sampler = build_sampler(cfg, ctx, engine, prompts, verifiers)
+    validator = build_validator(cfg, ctx, engine, prompts, verifiers)
     writer = None
     if ctx.rank == 0:
         run_id = resume.run_state.get("wandb_run_id") if resume else None
@@ -150,6 +167,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
         spec,
         checkpoints,
         resume,
+        validator,
     )
 
 
@@ -287,20 +305,27 @@ def sampler_settings(cfg: RunConfig) -> SamplerSettings:
     )
 
 
-def build_sampler(
-    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, tokenizer: Any, verifiers: VerifierPool
-) -> RolloutSampler:
+def build_prompt_setup(cfg: RunConfig, tokenizer: Any) -> PromptSetup:
     data = cfg.data
+    formatter = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt)
     source = build_prompt_source(
         data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
     )
+    eval_sets = {
+        name: load_jsonl_prompts(name, data.prompt_key, data.answer_key) for name in eval_file_list(data.eval_files)
+    }
+    return PromptSetup(formatter, source, eval_sets if cfg.trainer.eval_interval > 0 else {})
+
+
+def build_sampler(
+    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, prompts: PromptSetup, verifiers: VerifierPool
+) -> RolloutSampler:
     filter_spec = cfg.algorithm.dynamic_sampling.filter
     keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
-    formatter = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt)
     return RolloutSampler(
         engine,
-        formatter,
-        PromptStream(source, data.seed),
+        prompts.formatter,
+        PromptStream(prompts.source, cfg.data.seed),
         verifiers.verify,
         sampler_settings(cfg),
         rank=ctx.rank,
@@ -308,6 +333,34 @@ def build_sampler(
         all_gather=all_gather_objects,
         keep_filter=keep_filter,
         engine_tp_size=cfg.rollout.engine_tp_size,
+    )
+
+
+def build_validator(
+    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, prompts: PromptSetup, verifiers: VerifierPool
+) -> Validator | None:
+    if not prompts.eval_sets:
+        return None
+    tr, tp = cfg.trainer, cfg.rollout.engine_tp_size
+    settings = EvalSettings(
+        k=tr.eval_k,
+        temperature=tr.eval_temperature,
+        top_p=tr.eval_top_p,
+        max_new_tokens=tr.eval_max_response_len or cfg.rollout.sampling.max_response_len,
+        seed=cfg.rollout.seed,
+        prompts_per_call=max(1, cfg.rollout.gen_prompts_per_round // (ctx.world_size // tp)),
+    )
+    return Validator(
+        prompts.eval_sets,
+        engine,
+        prompts.formatter,
+        verifiers.verify,
+        answer_extractor(cfg.algorithm.reward.verifier),
+        settings,
+        replica=ctx.rank // tp,
+        n_replicas=ctx.world_size // tp,
+        all_gather=all_gather_objects,
+        engine_tp_size=tp,
     )
 
 

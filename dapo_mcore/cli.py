@@ -3,7 +3,7 @@
     dapo-mcore train CONFIG.yaml [section.key=value ...]     run DAPO (single process, or under torchrun/srun)
     dapo-mcore config CONFIG.yaml [section.key=value ...]    print the resolved config
     dapo-mcore keys                                          list every config key
-    dapo-mcore eval MODEL_DIR --data FILE.jsonl [...]        avg@k / pass@k / maj@k of a model on prompt files
+    dapo-mcore eval MODEL --data FILE.jsonl [...]            avg@k / pass@k / maj@k of a model on prompt files
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
 """
@@ -49,16 +49,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_eval_parser(sub) -> None:
     cmd = sub.add_parser("eval", help="avg@k, pass@k and maj@k of a model on prompt files")
-    cmd.add_argument("model", help="HF model directory")
+    cmd.add_argument(
+        "model", help="HF model directory, Megatron-Core checkpoint / run save (step_N/), or run directory"
+    )
     cmd.add_argument("--data", nargs="+", required=True, help="prompt files (.jsonl of {prompt, answer})")
     cmd.add_argument("--k", type=int, default=32, help="answers per problem (default 32, as AIME avg@32)")
     cmd.add_argument("--engine", default="hf", choices=["hf", "vllm", "sglang"])
     cmd.add_argument("--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function")
-    cmd.add_argument("--temperature", type=float, default=1.0)
-    cmd.add_argument("--top-p", type=float, default=1.0)
+    cmd.add_argument("--temperature", type=float, default=1.0, help="default 1.0 (the DAPO paper's AIME evaluation)")
+    cmd.add_argument("--top-p", type=float, default=0.7, help="default 0.7 (the DAPO paper's AIME evaluation)")
     cmd.add_argument("--max-new-tokens", type=int, default=1024)
     cmd.add_argument("--template", default="none", choices=["none", "chat"])
-    cmd.add_argument("--instruction", default="none", choices=["none", "dapo"])
+    cmd.add_argument("--instruction", default="none", help="none, dapo, or a text with {problem} in it")
     cmd.add_argument("--device", default="cpu")
     cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     cmd.add_argument("--seed", type=int, default=0)
@@ -67,7 +69,8 @@ def _add_eval_parser(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from dapo_mcore.evaluate import EvalSettings, run_eval
+    from dapo_mcore.evaluate import run_eval
+    from dapo_mcore.rollout.validation import EvalSettings
     from dapo_mcore.utils.errors import ConfigError
 
     if args.k < 1 or args.max_new_tokens < 1 or args.temperature < 0:

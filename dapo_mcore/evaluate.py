@@ -1,15 +1,17 @@
 """`dapo-mcore eval`: avg@k, pass@k and maj@k of a model on prompt files, with any engine.
 
-The same pieces as training (engine registry, prompt formats, verifier pool), never a second copy: a
-prompt file's problems are formatted, k answers are sampled per problem, each is checked by the verifier,
-and the metrics of algo/eval_metrics.py are computed per file. Results go to a JSON file and a table.
+The same pieces as training (engine registry, prompt formats, verifier pool, rollout/validation.py), never a
+second copy: a prompt file's problems are formatted, k answers are sampled per problem, each is checked by
+the verifier, and the metrics of algo/eval_metrics.py are computed per file. The model is an HF directory,
+a Megatron-Core checkpoint (tools/convert_hf_to_mcore.py output or a run save step_N/) or a run directory
+(its newest intact save): checkpoints are converted to a temporary HF directory first. Results go to a JSON
+file and a table.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,70 +19,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dapo_mcore.algo.eval_metrics import avg_at_k, maj_at_k, pass_at_k
+from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.data.datasets import load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter
-from dapo_mcore.data.types import Prompt
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
-from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, SamplingParams
+from dapo_mcore.rollout.base import EngineSettings
 from dapo_mcore.rollout.registry import create_engine
+from dapo_mcore.rollout.validation import EvalSettings, answer_and_check
 from dapo_mcore.utils.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    k: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1024
-    seed: int = 0
-    prompts_per_call: int = 16
-
-
-def evaluate_file(
-    engine: RolloutEngine,
-    encode: Callable[[str], Any],
-    prompts: list[Prompt],
-    verify: Callable[[list[tuple[str, str]]], list[Any]],
-    extract: Callable[[str], str | None],
-    settings: EvalSettings,
-    on_progress: Callable[[int], None] = lambda n: None,
-) -> dict[str, float]:
-    """k answers per prompt from the engine, checked by `verify`; returns the file's metrics."""
-    correct, answers = [], []
-    for start in range(0, len(prompts), settings.prompts_per_call):
-        chunk = prompts[start : start + settings.prompts_per_call]
-        params = SamplingParams(
-            n=settings.k,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            max_new_tokens=settings.max_new_tokens,
-            seed=settings.seed + start * settings.k,
-        )
-        groups = engine.generate([encode(p.text).input_ids for p in chunk], params)
-        verdicts = verify([(c.text, p.answer) for p, group in zip(chunk, groups) for c in group])
-        for i, group in enumerate(groups):
-            correct.append([v.correct for v in verdicts[i * settings.k : (i + 1) * settings.k]])
-            answers.append([extract(c.text) for c in group])
-        on_progress(len(chunk))
-    return metrics_of(correct, answers, settings.k)
-
-
-def metrics_of(correct: list[list[bool]], answers: list[list[str | None]], k: int) -> dict[str, float]:
-    out = {"problems": float(len(correct)), f"avg@{k}": avg_at_k(correct), f"maj@{k}": maj_at_k(answers, correct, k)}
-    for j in _pass_ks(k):
-        out[f"pass@{j}"] = pass_at_k(correct, j)
-    return out
-
-
-def _pass_ks(k: int) -> list[int]:
-    """1, 2, 4, ... up to k, and k itself."""
-    ks, j = [], 1
-    while j < k:
-        ks.append(j)
-        j *= 2
-    return [*ks, k]
 
 
 def run_eval(
@@ -95,33 +42,83 @@ def run_eval(
     dtype: str = "float32",
     out: str | None = None,
 ) -> dict[str, Any]:
+    if not (Path(model) / "config.json").is_file():
+        _checkpoint_of(Path(model))  # names what is wrong with `model` before anything else
+    prompt_sets = {name: load_jsonl_prompts(name) for name in files}  # every file checked before any work
+    with tempfile.TemporaryDirectory(prefix="dapo-eval.") as workdir:
+        hf_dir = as_hf_directory(Path(model), Path(workdir))
+        engine = EngineSettings(model_path=str(hf_dir), device=device, dtype=dtype)
+        results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, (template, instruction))
+    results["model"] = model
+    if hf_dir != Path(model):
+        results["converted_from"] = str(_checkpoint_of(Path(model)))
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    print_table(results)
+    return results
+
+
+def as_hf_directory(model: Path, workdir: Path) -> Path:
+    """`model` itself when it is an HF directory, else its checkpoint converted into workdir/hf."""
+    if (model / "config.json").is_file():
+        return model
+    from dapo_mcore.checkpoint.conversion import mcore_to_hf
+    from dapo_mcore.parallel import destroy_parallel
+
+    ckpt = _checkpoint_of(model)
+    print(f"converting {ckpt} to an HF directory for the engine", flush=True)
+    try:
+        mcore_to_hf(ckpt, workdir / "hf", dtype="")
+    finally:
+        destroy_parallel()  # the engine sets up its own process groups
+    return workdir / "hf"
+
+
+def _checkpoint_of(model: Path) -> Path:
+    from dapo_mcore.checkpoint.model_checkpoint import MANIFEST
+    from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
+
+    if (model / MANIFEST).is_file():
+        return model
+    if (model / "checkpoints").is_dir():  # a run directory: its newest intact save
+        newest = find_latest_complete(model / "checkpoints")
+        if newest is None:
+            raise ConfigError(f"run directory {model} holds no complete save under checkpoints/")
+        return newest
+    raise ConfigError(
+        f"{model} is neither an HF model directory (config.json), a Megatron-Core checkpoint ({MANIFEST}) nor a "
+        "run directory (checkpoints/)"
+    )
+
+
+def _evaluate(
+    prompt_sets: dict[str, list[Any]],
+    engine_name: str,
+    engine_settings: EngineSettings,
+    verifier: str,
+    settings: EvalSettings,
+    template_and_instruction: tuple[str, str],
+) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    if not (Path(model) / "config.json").is_file():
-        raise ConfigError(
-            f"{model} is not an HF model directory (no config.json); convert a Megatron checkpoint or run save "
-            "first: python tools/convert_mcore_to_hf.py CKPT OUT_DIR"
-        )
-    prompt_sets = {name: load_jsonl_prompts(name) for name in files}  # every file checked before generating
-    encode = PromptFormatter(AutoTokenizer.from_pretrained(model), template, instruction)
-    engine = create_engine(engine_name, EngineSettings(model_path=model, device=device, dtype=dtype))
+    template, instruction = template_and_instruction
+    encode = PromptFormatter(AutoTokenizer.from_pretrained(engine_settings.model_path), template, instruction)
+    engine = create_engine(engine_name, engine_settings)
     pool = VerifierPool(verifier, workers=1)
-    results: dict[str, Any] = {"model": model, "engine": engine_name, "verifier": verifier, "files": {}}
+    results: dict[str, Any] = {"engine": engine_name, "verifier": verifier, "files": {}}
     results["settings"] = settings.__dict__ | {"template": template, "instruction": instruction}
     try:
         with _progress(sum(len(p) for p in prompt_sets.values())) as (progress, task):
             for name, prompts in prompt_sets.items():
                 progress.update(task, description=Path(name).name)
-                results["files"][name] = evaluate_file(
+                correct, answers = answer_and_check(
                     engine, encode, prompts, pool.verify, answer_extractor(verifier), settings,
                     on_progress=lambda n: progress.advance(task, n),
                 )  # fmt: skip
+                results["files"][name] = eval_metrics(correct, answers, settings.k)
     finally:
         pool.close()
         engine.shutdown()
-    if out:
-        Path(out).write_text(json.dumps(results, indent=2) + "\n")
-    print_table(results)
     return results
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,10 +39,14 @@ def train(cfg: RunConfig) -> Path:
         with run.progress:
             run.progress.resume_at(first_step)
             for step in range(first_step, cfg.trainer.steps):
-                report(run, step, rl_step(run, step))
+                held_out = validate(run, step)  # the weights this step starts from
+                report(run, step, {**held_out, **rl_step(run, step)})
                 run.checkpoints.poll()  # completes a background save whose shards are written
                 if should_save(cfg, step + 1):
                     save(run, step + 1)
+            final = validate(run, cfg.trainer.steps)
+            if final and run.writer is not None:
+                run.writer.write(cfg.trainer.steps, final)  # a row of its own: the trained weights
         run.checkpoints.wait()
     finally:
         finish(run)
@@ -97,6 +103,24 @@ def export_hf(run: Run, ckpt: Path) -> None:
     on_rank0(publish, CheckpointError)
 
 
+def validate(run: Run, step: int) -> dict[str, float]:
+    """eval/<file>/<metric> of the held-out files at steps 0, eval_interval, 2 x eval_interval, ... and at the
+    last step; {} otherwise (same on every rank)."""
+    interval, last = run.cfg.trainer.eval_interval, run.cfg.trainer.steps
+    if run.validator is None or interval <= 0 or (step % interval != 0 and step != last):
+        return {}
+    start = time.perf_counter()
+    with engine_phase(run):
+        metrics = run.validator.run()
+    metrics["time/eval_s"] = time.perf_counter() - start
+    k = run.cfg.trainer.eval_k
+    summary = ", ".join(
+        f"{key.split('/')[1]} avg@{k} {value:.3f}" for key, value in metrics.items() if key.endswith(f"/avg@{k}")
+    )
+    log.info("step %d: held-out %s (%.1f s)", step, summary, metrics["time/eval_s"])
+    return metrics
+
+
 def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
@@ -120,18 +144,26 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
 def rollout_phase(run: Run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
     """Hand the accelerator to the engine, generate the step's batch, hand it back to the actor; the memory in
     use at each hand-over point is returned as metrics."""
-    device, offload = run.ctx.device, run.cfg.rollout.offload_actor
+    device = run.ctx.device
     memory = {"memory/step_start_gb": memory_in_use_gb(device)}
+    with engine_phase(run):
+        batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
+        memory["memory/after_generate_gb"] = memory_in_use_gb(device)
+    memory["memory/engine_released_gb"] = memory_in_use_gb(device)
+    return batch, memory
+
+
+@contextmanager
+def engine_phase(run: Run) -> Iterator[None]:
+    """The engine holds its memory (KV cache, weights) inside; the actor gets it back after."""
+    offload = run.cfg.rollout.offload_actor
     if offload:
         run.actor.offload_for_rollout()
     run.engine.resume_memory()
-    batch = run.sampler.next_batch(step, timer, on_round=run.progress.round_done)
-    memory["memory/after_generate_gb"] = memory_in_use_gb(device)
+    yield
     run.engine.release_memory()
     if offload:
         run.actor.restore_after_rollout()
-    memory["memory/engine_released_gb"] = memory_in_use_gb(device)
-    return batch, memory
 
 
 def push_weights(run: Run) -> None:

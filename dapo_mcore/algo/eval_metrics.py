@@ -47,3 +47,21 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence
 def _check(correct: Sequence[Sequence[bool]]) -> None:
     if not correct or any(len(row) == 0 for row in correct):
         raise ValueError("every problem needs at least one answer")
+
+
+def eval_metrics(
+    correct: Sequence[Sequence[bool]], answers: Sequence[Sequence[str | None]], k: int
+) -> dict[str, float]:
+    """The problem count, avg@k, maj@k and pass@j for j = 1, 2, 4, ... up to k (and k itself)."""
+    out = {"problems": float(len(correct)), f"avg@{k}": avg_at_k(correct), f"maj@{k}": maj_at_k(answers, correct, k)}
+    for j in _pass_ks(k):
+        out[f"pass@{j}"] = pass_at_k(correct, j)
+    return out
+
+
+def _pass_ks(k: int) -> list[int]:
+    ks, j = [], 1
+    while j < k:
+        ks.append(j)
+        j *= 2
+    return [*ks, k]

@@ -249,6 +249,14 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int = 0
     # Seed of the torch RNG used by the actor (dropout, random init).
     seed: int = 42
+    # Validate on data.eval_files before the first step, every N steps and after the last (0: never).
+    eval_interval: int = 0
+    # Answers per held-out problem and their sampling (the DAPO paper's AIME evaluation: avg@32 at
+    # temperature 1.0, top-p 0.7); eval_max_response_len 0: rollout.sampling.max_response_len.
+    eval_k: int = 32
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7
+    eval_max_response_len: int = 0
 
 
 @dataclass
@@ -265,10 +273,14 @@ class DataConfig:
     ops: str = "+"
     # "chat": wrap each problem in the model's own chat template (chat / instruct models); "none": plain text.
     template: Literal["none", "chat"] = "none"
-    # "dapo": the paper's instruction before and after each problem ("... Answer: $Answer ..."); "none": as is.
-    instruction: Literal["none", "dapo"] = "none"
+    # "dapo": the paper's instruction before and after each problem ("... Answer: $Answer ..."); "none": as is;
+    # or your own text with {problem} where the problem goes.
+    instruction: str = "none"
     # A system message for data.template=chat (empty: none).
     system_prompt: str = ""
+    # Held-out prompt files (.jsonl, comma-separated) for validation every trainer.eval_interval steps; they
+    # take the same template, instruction and verifier as training.
+    eval_files: str = ""
 
 
 @dataclass

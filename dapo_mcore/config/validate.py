@@ -10,7 +10,15 @@ from dapo_mcore.utils.errors import ConfigError
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (_check_model, _check_algorithm, _check_rollout, _check_batches, _check_data, _check_checkpoint):
+    for check in (
+        _check_model,
+        _check_algorithm,
+        _check_rollout,
+        _check_batches,
+        _check_data,
+        _check_evaluation,
+        _check_checkpoint,
+    ):
         check(cfg)
 
 
@@ -153,8 +161,33 @@ def _check_batches(cfg: RunConfig) -> None:
         tr.mini_batch_size >= tr.micro_batch_size,
         f"trainer.mini_batch_size={tr.mini_batch_size} is smaller than trainer.micro_batch_size={tr.micro_batch_size}",
     )
-    _require(cfg.optimizer.lr > 0, "optimizer.lr must be > 0")
+    # lr 0 is a dry run: generation, scoring, the loss and saves all run, the weights stay as loaded
+    _require(cfg.optimizer.lr >= 0, "optimizer.lr must be >= 0")
+    _require(
+        cfg.optimizer.min_lr <= cfg.optimizer.lr,
+        f"optimizer.min_lr={cfg.optimizer.min_lr} is larger than optimizer.lr={cfg.optimizer.lr}",
+    )
     _require(cfg.optimizer.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
+
+
+def eval_file_list(text: str) -> list[str]:
+    """data.eval_files as a list of paths."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _check_evaluation(cfg: RunConfig) -> None:
+    tr, files = cfg.trainer, eval_file_list(cfg.data.eval_files)
+    _require(tr.eval_interval >= 0, f"trainer.eval_interval must be >= 0, got {tr.eval_interval}")
+    _require(
+        tr.eval_interval == 0 or bool(files), "trainer.eval_interval > 0 needs data.eval_files (held-out .jsonl files)"
+    )
+    _require(tr.eval_k >= 1, f"trainer.eval_k must be >= 1, got {tr.eval_k}")
+    _require(tr.eval_temperature >= 0, f"trainer.eval_temperature must be >= 0, got {tr.eval_temperature}")
+    _require(0.0 < tr.eval_top_p <= 1.0, f"trainer.eval_top_p must be in (0, 1], got {tr.eval_top_p}")
+    _require(tr.eval_max_response_len >= 0, "trainer.eval_max_response_len must be >= 0")
+    for name in files:
+        _require(name.endswith(".jsonl"), f"data.eval_files: {name} is not a .jsonl file")
+        _require(Path(name).is_file(), f"data.eval_files: file not found: {name}")
 
 
 def _check_data(cfg: RunConfig) -> None:

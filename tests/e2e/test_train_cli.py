@@ -204,3 +204,41 @@ def test_offloading_the_actor_while_generating_changes_no_metric(tmp_path):
             {k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))} for row in read_rows(run_dir)
         ]
     assert runs[True] == runs[False] and len(runs[True]) == 3
+
+
+def test_validation_during_training_logs_held_out_metrics_and_draws_them(tmp_path):
+    run_dir, held_out = tmp_path / "run", tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"What is {a}+{a + 2}?\n", "answer": 2 * a + 2}) + "\n"
+                                for a in range(4)))  # fmt: skip
+    evaluation = [
+        f"data.eval_files={held_out}",
+        "trainer.eval_interval=2",
+        "trainer.eval_k=4",
+        "trainer.eval_top_p=1.0",
+    ]
+    cli("train", "examples/smoke_cpu.yaml", *SHORT, *evaluation, f"logging.run_dir={run_dir}")
+    rows = read_rows(run_dir)
+    with_eval = [r["step"] for r in rows if "eval/held/avg@4" in r]
+    assert with_eval == [0, 2, 3]  # before the first update, every 2 steps, and the trained weights
+    assert rows[-1]["step"] == 3 and "rollout/accuracy" not in rows[-1]
+    assert all(r["eval/held/problems"] == 4 and 0 <= r["eval/held/pass@1"] <= r["eval/held/pass@4"] <= 1
+               for r in rows if "eval/held/avg@4" in r)  # fmt: skip
+    assert (run_dir / "curves.png").stat().st_size > 0
+    # the validation measures what `dapo-mcore eval` measures: same model, answers, seeds and metrics at step 0
+    out = tmp_path / "eval.json"
+    cli("eval", "examples/models/tiny-arith", "--data", str(held_out), "--k", "4", "--top-p", "1.0",
+        "--max-new-tokens", "32", "--out", str(out))  # fmt: skip
+    standalone = json.loads(out.read_text())["files"][str(held_out)]
+    assert {k: rows[0][f"eval/held/{k}"] for k in standalone} == pytest.approx(standalone)
+
+
+def test_validation_is_split_over_data_parallel_engine_replicas(tmp_path):
+    run_dir, held_out = tmp_path / "run", tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"What is {a}+1?\n", "answer": a + 1}) + "\n" for a in range(5)))
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    evaluation = [f"data.eval_files={held_out}", "trainer.eval_interval=2", "trainer.eval_k=2"]
+    cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", *evaluation, f"logging.run_dir={run_dir}",
+        "logging.wandb.mode=disabled", launcher=launcher)  # fmt: skip
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows if "eval/held/avg@2" in r] == [0, 2]
+    assert all(r["eval/held/problems"] == 5 for r in rows if "eval/held/avg@2" in r)  # an odd count over 2 replicas

@@ -1,8 +1,10 @@
+import re
 from pathlib import Path
 
 import pytest
 
 from dapo_mcore.config import RunConfig, all_keys, dump_config, load_config, parse_override, validate
+from dapo_mcore.config.validate import eval_file_list
 from dapo_mcore.utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,3 +118,22 @@ def test_shipped_recipes_load_and_validate():
         cfg = load_config(recipe)
         if Path(cfg.model.hf_path).exists():
             validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.eval_interval=5"], "trainer.eval_interval > 0 needs data.eval_files"),
+        (["trainer.eval_interval=5", "data.eval_files=nope.jsonl"], "data.eval_files: file not found: nope.jsonl"),
+        (["data.eval_files=examples/smoke_cpu.yaml"], "is not a .jsonl file"),
+        (["trainer.eval_top_p=0"], "trainer.eval_top_p must be in (0, 1]"),
+        (["trainer.eval_k=0"], "trainer.eval_k must be >= 1"),
+    ],
+)
+def test_validation_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(REPO / "examples/smoke_cpu.yaml", overrides))
+
+
+def test_eval_files_are_a_comma_separated_list():
+    assert eval_file_list(" a.jsonl, b.jsonl ,") == ["a.jsonl", "b.jsonl"]

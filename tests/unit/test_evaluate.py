@@ -4,12 +4,13 @@ import json
 
 import pytest
 
+from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.cli import main
 from dapo_mcore.data.types import Prompt
-from dapo_mcore.evaluate import EvalSettings, evaluate_file
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import Completion
+from dapo_mcore.rollout.validation import EvalSettings, Validator, answer_and_check
 from tests.conftest import REPO
 
 # two problems, 4 answers each: what a scripted engine says
@@ -33,7 +34,8 @@ class Encoded:
 def test_metrics_of_a_fixed_set_of_answers_equal_the_hand_computation():
     prompts = [Prompt("p1", "5", "a:1"), Prompt("p2", "1", "a:2")]
     pool = VerifierPool("dapo", workers=0)
-    got = evaluate_file(Scripted(), Encoded, prompts, pool.verify, answer_extractor("dapo"), EvalSettings(k=4))
+    checked = answer_and_check(Scripted(), Encoded, prompts, pool.verify, answer_extractor("dapo"), EvalSettings(k=4))
+    got = eval_metrics(*checked, k=4)
     assert got["problems"] == 2
     assert got["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert got["pass@1"] == pytest.approx(got["avg@4"])
@@ -59,4 +61,29 @@ def test_eval_command_on_the_demo_model_writes_json_and_a_table(tmp_path, capsys
 
 def test_eval_of_something_that_is_not_a_model_directory_is_one_line(tmp_path, capsys):
     assert main(["eval", str(tmp_path), "--data", "x.jsonl"]) == 2
-    assert "is not an HF model directory" in capsys.readouterr().err
+    assert "is neither an HF model directory" in capsys.readouterr().err
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_validation_split_over_two_engine_replicas_equals_one_replica():
+    prompts = [Prompt("p1", "5", "a:1"), Prompt("p2", "1", "a:2"), Prompt("p1", "6", "a:3")]
+    pool = VerifierPool("dapo", workers=0)
+    pieces = (Scripted(), Encoded, pool.verify, answer_extractor("dapo"), EvalSettings(k=4))
+    alone = Validator({"dir/held.jsonl": prompts}, *pieces).run()
+    shares = {}
+
+    def capture(obj):  # replica 1's share, as an all-gather would deliver it to replica 0
+        shares[1] = obj
+        raise _Captured
+
+    with pytest.raises(_Captured):
+        Validator({"dir/held.jsonl": prompts}, *pieces, replica=1, n_replicas=2, all_gather=capture).run()
+    gather = lambda obj: [obj, shares[1]]
+    split = Validator({"dir/held.jsonl": prompts}, *pieces, replica=0, n_replicas=2, all_gather=gather).run()
+    assert split == alone
+    assert alone["eval/held/problems"] == 3
+    # p1 says "5" twice and "6" once in four (a:1 wants 5, a:3 wants 6); p2 is right once in four
+    assert alone["eval/held/avg@4"] == pytest.approx((2 / 4 + 1 / 4 + 1 / 4) / 3)

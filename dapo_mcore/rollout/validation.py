@@ -1,0 +1,103 @@
+"""k answers per problem from an engine, checked by the verifier: the core of `dapo-mcore eval` and of the
+validation the trainer runs every `trainer.eval_interval` steps on held-out files.
+
+In training, each engine replica answers its share of a file's problems (round-robin, as the sampler splits
+prompts) and the verdicts are all-gathered, so every rank returns the same metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.algo.eval_metrics import eval_metrics
+from dapo_mcore.data.types import Prompt
+from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
+
+# correct[i][j], answers[i][j]: answer j to problem i is right / its normalised final answer
+Checked = tuple[list[list[bool]], list[list[str | None]]]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int = 32
+    # The DAPO paper's AIME evaluation: avg@32 at temperature 1.0, top-p 0.7.
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: int = 1024
+    seed: int = 0
+    prompts_per_call: int = 16
+
+
+def answer_and_check(
+    engine: RolloutEngine,
+    encode: Callable[[str], Any],
+    prompts: list[Prompt],
+    verify: Callable[[list[tuple[str, str]]], list[Any]],
+    extract: Callable[[str], str | None],
+    settings: EvalSettings,
+    on_progress: Callable[[int], None] = lambda n: None,
+) -> Checked:
+    """settings.k answers to each prompt; the seed of prompt i's answers depends on i only, so a problem gets
+    the same answers whichever call (or replica) it is sent in."""
+    correct: list[list[bool]] = []
+    answers: list[list[str | None]] = []
+    for start in range(0, len(prompts), settings.prompts_per_call):
+        chunk = prompts[start : start + settings.prompts_per_call]
+        params = SamplingParams(
+            n=settings.k,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            max_new_tokens=settings.max_new_tokens,
+            seed=settings.seed + start * settings.k,
+        )
+        groups = engine.generate([encode(p.text).input_ids for p in chunk], params)
+        verdicts = verify([(c.text, p.answer) for p, group in zip(chunk, groups) for c in group])
+        for i, group in enumerate(groups):
+            correct.append([v.correct for v in verdicts[i * settings.k : (i + 1) * settings.k]])
+            answers.append([extract(c.text) for c in group])
+        on_progress(len(chunk))
+    return correct, answers
+
+
+class Validator:
+    """Held-out files evaluated during training; `run()` returns eval/<file>/<metric> (same on every rank)."""
+
+    def __init__(
+        self,
+        files: dict[str, list[Prompt]],
+        engine: RolloutEngine,
+        encode: Callable[[str], Any],
+        verify: Callable[[list[tuple[str, str]]], list[Any]],
+        extract: Callable[[str], str | None],
+        settings: EvalSettings,
+        replica: int = 0,
+        n_replicas: int = 1,
+        all_gather: Callable[[Any], list[Any]] = lambda obj: [obj],
+        engine_tp_size: int = 1,
+    ):
+        self.files, self.engine, self.encode, self.verify, self.extract = files, engine, encode, verify, extract
+        self.settings, self.replica, self.n_replicas = settings, replica, n_replicas
+        self.all_gather, self.engine_tp_size = all_gather, engine_tp_size
+
+    def run(self) -> dict[str, float]:
+        metrics = {}
+        for name, prompts in self.files.items():
+            correct, answers = self._checked_in_order(prompts)
+            for key, value in eval_metrics(correct, answers, self.settings.k).items():
+                metrics[f"eval/{Path(name).stem}/{key}"] = value
+        return metrics
+
+    def _checked_in_order(self, prompts: list[Prompt]) -> Checked:
+        n, k = self.n_replicas, self.settings.k
+        mine = prompts[self.replica :: n]
+        # Seeds as `dapo-mcore eval` uses them with one replica; each replica's stream starts past the others'.
+        settings = replace(self.settings, seed=self.settings.seed + self.replica * len(prompts) * k)
+        checked = answer_and_check(self.engine, self.encode, mine, self.verify, self.extract, settings)
+        per_replica = self.all_gather(checked)[:: self.engine_tp_size]  # one copy per replica
+        order = range(len(prompts))  # undo the round-robin split
+        correct = [per_replica[i % n][0][i // n] for i in order]
+        answers = [per_replica[i % n][1][i // n] for i in order]
+        return correct, answers
