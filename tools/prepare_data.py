@@ -3,6 +3,7 @@
 
     python tools/prepare_data.py FILE [FILE ...] --out train.jsonl [--layout dapo-math|gsm8k|math|aime]
                                  [--heldout N --heldout-out heldout.jsonl] [--seed 0] [--keep-duplicates]
+                                 [--instruction dapo]
 
 Each output row is {"prompt", "answer", "source"} ("source" = input file name and row number), the format
 `data.source` and `dapo-mcore eval` read. The layout of each file is recognised from its columns unless
@@ -16,9 +17,11 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dapo_mcore.data.published import LAYOUTS, PromptRow, convert_file, deduplicate
+from dapo_mcore.data.templates import INSTRUCTIONS
 from dapo_mcore.utils.errors import DapoError
 
 
@@ -31,11 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout-out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep-duplicates", action="store_true")
+    ap.add_argument(
+        "--instruction",
+        default="none",
+        help="wrap each prompt: 'dapo' (the paper's instruction, as DAPO-Math-17k's prompts carry it) or a text "
+        "with {problem} in it; training and evaluation files then read alike with data.instruction=none",
+    )
     args = ap.parse_args(argv)
     if args.heldout and not args.heldout_out:
         ap.error("--heldout needs --heldout-out")
     try:
-        rows = convert(args.files, args.layout, args.keep_duplicates)
+        rows = with_instruction(convert(args.files, args.layout, args.keep_duplicates), args.instruction)
         train, heldout = split(rows, args.heldout, args.seed)
     except DapoError as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)
@@ -60,6 +69,18 @@ def convert(files: list[Path], layout: str | None, keep_duplicates: bool) -> lis
         for row, first in dropped[:5]:
             print(f"  {row.source} repeats {first.source}")
     return kept
+
+
+def with_instruction(rows: list[PromptRow], instruction: str) -> list[PromptRow]:
+    if instruction == "none":
+        return rows
+    if instruction in INSTRUCTIONS:
+        prefix, suffix = INSTRUCTIONS[instruction]
+    elif "{problem}" in instruction:
+        prefix, _, suffix = instruction.partition("{problem}")
+    else:
+        raise DapoError(f"--instruction must be none, dapo or a text with {{problem}} in it, got {instruction!r}")
+    return [replace(row, prompt=prefix + row.prompt + suffix) for row in rows]
 
 
 def split(rows: list[PromptRow], n_heldout: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:

@@ -30,15 +30,21 @@ class PromptFormatter:
     def __init__(self, tokenizer: Any, template: str = "none", instruction: str = "none", system_prompt: str = ""):
         if template not in ("none", "chat"):
             raise ConfigError(f"data.template must be 'none' or 'chat', got {template!r}")
-        if instruction not in INSTRUCTIONS:
-            raise ConfigError(f"data.instruction must be one of {sorted(INSTRUCTIONS)}, got {instruction!r}")
+        if instruction not in INSTRUCTIONS and "{problem}" not in instruction:
+            raise ConfigError(
+                f"data.instruction must be one of {sorted(INSTRUCTIONS)} or a text with {{problem}} in it, "
+                f"got {instruction!r}"
+            )
         if template == "chat" and not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "the model")
             raise ConfigError(
                 f"data.template=chat: {name} has no chat template (a base model?); use data.template=none"
             )
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
-        self.prefix, self.suffix = INSTRUCTIONS[instruction]
+        if instruction in INSTRUCTIONS:
+            self.prefix, self.suffix = INSTRUCTIONS[instruction]
+        else:  # "... {problem} ...": the text around the placeholder
+            self.prefix, _, self.suffix = instruction.partition("{problem}")
 
     def text(self, problem: str) -> str:
         """The prompt as text (for logs and eval reports)."""

@@ -139,3 +139,14 @@ def test_the_tool_stops_on_a_bad_row_with_one_line_and_writes_nothing(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"prepare_data: error: {bad}: row 2: 'answer' does not end with '#### N'"]
     assert not out.exists()
+
+
+def test_the_tool_can_wrap_each_problem_in_the_dapo_instruction(tmp_path):
+    from dapo_mcore.data.templates import DAPO_PREFIX, DAPO_SUFFIX
+
+    aime, out = write_jsonl(tmp_path / "aime.jsonl", AIME_ROWS), tmp_path / "aime.dapo.jsonl"
+    assert main([str(aime), "--out", str(out), "--instruction", "dapo"]) == 0
+    assert [p.text for p in load_jsonl_prompts(out)] == [DAPO_PREFIX + r["problem"] + DAPO_SUFFIX for r in AIME_ROWS]
+    assert main([str(aime), "--out", str(out), "--instruction", "Q: {problem}"]) == 0
+    assert load_jsonl_prompts(out)[0].text == "Q: " + AIME_ROWS[0]["problem"]
+    assert main([str(aime), "--out", str(out), "--instruction", "bogus"]) == 2

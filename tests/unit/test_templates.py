@@ -38,6 +38,13 @@ def test_the_dapo_instruction_wraps_the_problem(tokenizer):
     assert decode(tokenizer, fmt("What is 2+3?").input_ids) == fmt.text("What is 2+3?")
 
 
+def test_an_instruction_of_your_own_puts_the_problem_at_its_placeholder(tokenizer):
+    fmt = PromptFormatter(tokenizer, instruction="Q: {problem}\nEnd with Answer: N")
+    assert fmt.text("What is 2+3?") == "Q: What is 2+3?\nEnd with Answer: N"
+    with pytest.raises(ConfigError, match="or a text with {problem} in it"):
+        PromptFormatter(tokenizer, instruction="daPo")
+
+
 def test_the_chat_template_is_applied_with_the_generation_prompt(tokenizer):
     tokenizer.chat_template = CHAT
     fmt = PromptFormatter(tokenizer, template="chat", system_prompt="Be brief.")
