@@ -41,18 +41,25 @@ from dapo_mcore.mcore.provider import (
     read_model_spec,
     resolve_transformer_impl,
 )
-from dapo_mcore.parallel import ParallelContext, all_gather_objects, destroy_parallel, init_parallel
+from dapo_mcore.parallel import (
+    ParallelContext,
+    all_gather_objects,
+    broadcast_object,
+    destroy_parallel,
+    init_parallel,
+)
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
 from dapo_mcore.rollout.validation import EvalSettings, Validator
-from dapo_mcore.utils.errors import CheckpointError, LayoutError
+from dapo_mcore.utils.errors import CheckpointError, LayoutError, RunLockError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
 from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
 from dapo_mcore.utils.progress import RunProgress
+from dapo_mcore.utils.run_lock import RunLock
 from dapo_mcore.weight_sync import WeightExporter
 
 log = get_logger(__name__)
@@ -75,6 +82,7 @@ class Run:
     checkpoints: CheckpointManager
     resume: Resume | None  # the save this run continues from
     validator: Validator | None = None  # only with trainer.eval_interval > 0
+    lock: RunLock | None = None  # rank 0: the run directory's lock, released when the run ends
 
 
 @dataclass(frozen=True)
@@ -108,15 +116,38 @@ def build_run(cfg: RunConfig) -> Run:
     )
     check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
+    lock = None
     try:
-        return build_pieces(cfg, ctx, spec)
+        lock = take_run_lock(run_dir_of(cfg), ctx, cfg.logging.lock_stale_after_s)  # before the directory is touched
+        return build_pieces(cfg, ctx, spec, lock)
     except BaseException:
+        if lock is not None:
+            lock.release()
         destroy_parallel()  # a failed start (bad checkpoint, engine that would not start) leaves no group behind
         raise
 
 
-def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
-    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+def run_dir_of(cfg: RunConfig) -> Path:
+    return Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+
+
+def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> RunLock | None:
+    """Rank 0 takes the run directory's lock; every rank raises the same one-line error when it cannot."""
+    lock, refusal = None, None
+    if ctx.rank == 0:
+        lock = RunLock(run_dir, stale_after_s)
+        try:
+            lock.acquire()
+        except RunLockError as err:
+            refusal = str(err)
+    refusal = broadcast_object(refusal, src=0)
+    if refusal is not None:
+        raise RunLockError(refusal)
+    return lock
+
+
+def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: RunLock | None) -> Run:
+    run_dir = run_dir_of(cfg)
     checkpoints = CheckpointManager(
         cfg.checkpoint.dir or run_dir / "checkpoints",
         ctx,
@@ -168,6 +199,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Run:
         checkpoints,
         resume,
         validator,
+        lock,
     )
 
 

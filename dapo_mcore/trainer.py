@@ -192,4 +192,6 @@ def finish(run: Run) -> None:
         run.writer.close()
     run.verifiers.close()
     run.engine.shutdown()
+    if run.lock is not None:
+        run.lock.release()
     destroy_parallel()

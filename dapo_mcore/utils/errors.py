@@ -28,3 +28,7 @@ class EngineError(DapoError):
     """A rollout engine raised or its worker died; raised on the rank whose engine failed."""
 
     same_on_every_rank = False
+
+
+class RunLockError(DapoError):
+    """Another live run holds the run directory."""

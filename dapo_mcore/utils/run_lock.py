@@ -1,0 +1,131 @@
+"""One run per run directory: a lock file beside it, held while the run lives.
+
+The lock is `.<run dir name>.lock` next to the run directory (not inside it, so it is never moved with it),
+created atomically (O_EXCL) and holding the holder's host, pid and start time. The holder touches it every
+HEARTBEAT_S seconds from a daemon thread. A second run refuses at once, naming the holder, unless the holder
+is dead: on the same host its pid is gone; on another host (a Slurm job re-queued onto another node) its
+heartbeat is older than the stale timeout. A dead holder's lock is taken over with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from dapo_mcore.utils.errors import RunLockError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+HEARTBEAT_S = 30.0
+
+
+def lock_path(run_dir: Path) -> Path:
+    return run_dir.parent / f".{run_dir.name}.lock"
+
+
+class RunLock:
+    def __init__(self, run_dir: Path, stale_after_s: float = 300.0):
+        self.run_dir, self.path, self.stale_after_s = run_dir, lock_path(run_dir), stale_after_s
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise RunLockError naming the live holder; a dead holder's lock is taken over."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a lost race for a dead holder's lock is retried
+            if self._create():
+                self._start_heartbeat()
+                return
+            holder = self._read_holder()
+            if holder is None:
+                continue  # released or being replaced between our two looks
+            reason = self._why_dead(holder)
+            if reason is None:
+                raise RunLockError(
+                    f"run directory {self.run_dir} is in use by the run of pid {holder.get('pid')} on host "
+                    f"{holder.get('host')}, started {holder.get('started')}; choose another logging.run_dir, or "
+                    f"stop that run first (lock file {self.path})"
+                )
+            self._take_over(holder, reason)
+        raise RunLockError(f"could not take the lock {self.path}: other runs keep taking it")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+            self._beat = None
+        holder = self._read_holder()
+        if holder is not None and _is_me(holder):
+            self.path.unlink(missing_ok=True)
+
+    def _create(self) -> bool:
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh)
+        return True
+
+    def _read_holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            holder = {}  # half-written or damaged: judged by its age alone
+        try:
+            holder["age_s"] = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        return holder
+
+    def _why_dead(self, holder: dict) -> str | None:
+        """Why the holder is no longer running, or None while it may be."""
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            return None if _pid_alive(holder["pid"]) else f"its pid {holder['pid']} is gone"
+        if holder["age_s"] > self.stale_after_s:
+            return f"its heartbeat is {holder['age_s']:.0f} s old (more than {self.stale_after_s:.0f} s)"
+        return None
+
+    def _take_over(self, holder: dict, reason: str) -> None:
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)  # only one of several contenders renames it; the others retry
+        except FileNotFoundError:
+            return
+        aside.unlink(missing_ok=True)
+        log.warning(
+            "taking over the lock of run directory %s from pid %s on host %s: %s",
+            self.run_dir, holder.get("pid"), holder.get("host"), reason,
+        )  # fmt: skip
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):  # gone after a take-over: nothing to refresh
+                    os.utime(self.path)
+
+        self._beat = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
+        self._beat.start()
+
+
+def _is_me(holder: dict) -> bool:
+    return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True

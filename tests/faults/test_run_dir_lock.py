@@ -1,0 +1,117 @@
+"""One run per run directory: a second run into a live run's directory refuses and touches nothing; a lock
+left by a dead run (same host: pid gone; another host: stale heartbeat) is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.utils.errors import RunLockError
+from dapo_mcore.utils.run_lock import RunLock, lock_path
+from tests.conftest import REPO
+
+
+def write_lock(run_dir: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
+    path = lock_path(run_dir)
+    path.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01 00:00:00"}))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_live_holder_is_refused_with_its_host_pid_and_start(tmp_path):
+    first = RunLock(tmp_path / "run")
+    first.acquire()
+    try:
+        with pytest.raises(RunLockError, match=rf"is in use by the run of pid {os.getpid()} on host"):
+            RunLock(tmp_path / "run").acquire()
+    finally:
+        first.release()
+    assert not lock_path(tmp_path / "run").exists()
+    RunLock(tmp_path / "run").acquire()  # free again once released
+
+
+def test_a_dead_holder_on_this_host_is_taken_over(tmp_path, caplog):
+    import socket
+
+    write_lock(tmp_path / "run", socket.gethostname(), dead_pid())
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    assert "is gone" in caplog.text
+    assert json.loads(lock_path(tmp_path / "run").read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_another_hosts_lock_is_taken_over_only_when_its_heartbeat_is_stale(tmp_path, caplog):
+    write_lock(tmp_path / "run", "node-17", 4242, age_s=10)
+    with pytest.raises(RunLockError, match="pid 4242 on host node-17"):
+        RunLock(tmp_path / "run", stale_after_s=300).acquire()
+    write_lock(tmp_path / "run", "node-17", 4242, age_s=301)
+    lock = RunLock(tmp_path / "run", stale_after_s=300)
+    lock.acquire()
+    assert "heartbeat is 301 s old" in caplog.text
+    lock.release()
+
+
+def start_run(run_dir: Path, steps: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", f"trainer.steps={steps}",
+           "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
+           "trainer.micro_batch_size=16", "checkpoint.save_interval=2", "logging.wandb.mode=disabled",
+           "logging.progress=false", f"logging.run_dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_second_run_into_a_live_run_directory_refuses_and_touches_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    first = start_run(run_dir, steps=200)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # the first run is training
+            assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.5)
+        second = start_run(run_dir, steps=2)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2
+        assert err.strip().splitlines()[-1].startswith(f"dapo-mcore: error: run directory {run_dir} is in use by")
+        assert first.poll() is None  # still running, in its own directory
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("run.prev-")] == []
+        rows = len((run_dir / "metrics.jsonl").read_text().splitlines())
+        time.sleep(5)
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= rows
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+
+
+def test_of_two_runs_started_together_one_trains_and_the_other_refuses(tmp_path):
+    run_dir = tmp_path / "run"
+    runs = [start_run(run_dir, steps=200), start_run(run_dir, steps=200)]
+    try:
+        deadline = time.time() + 180
+        while all(r.poll() is None for r in runs):
+            assert time.time() < deadline, "neither run refused"
+            time.sleep(0.5)
+        refused = next(r for r in runs if r.poll() is not None)
+        assert refused.returncode == 2, refused.communicate()[1][-3000:]
+        assert "is in use by" in refused.communicate()[1]
+        assert all(r.poll() is None for r in runs if r is not refused)  # the other one trains on
+        assert not any(p.name.startswith("run.prev-") for p in tmp_path.iterdir())
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.send_signal(signal.SIGKILL)
+                r.wait()
