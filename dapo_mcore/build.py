@@ -417,7 +417,7 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
                 "checkpoint.resume=auto, or give this run another checkpoint.dir"
             )
         return None
-    path = checkpoints.latest_complete() if choice == "auto" else Path(choice)
+    path = checkpoints.latest_complete() if choice == "auto" else checkpoints.verified(Path(choice))
     if path is None:
         log.info("checkpoint.resume=auto: no complete save in %s, starting from step 0", checkpoints.root)
         return None

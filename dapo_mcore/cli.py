@@ -4,6 +4,7 @@
     dapo-mcore config CONFIG.yaml [section.key=value ...]    print the resolved config
     dapo-mcore keys                                          list every config key
     dapo-mcore eval MODEL --data FILE.jsonl [...]            avg@k / pass@k / maj@k of a model on prompt files
+    dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
 """
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="list every config key with its default")
     keys.set_defaults(func=_list_keys)
     _add_eval_parser(sub)
+    ckpt = sub.add_parser("checkpoint", help="check saves without loading them")
+    ckpt_sub = ckpt.add_subparsers(required=True, metavar="ACTION")
+    verify = ckpt_sub.add_parser("verify", help="sizes and CRC-32 of every file of a save, its saves, or a run's")
+    verify.add_argument("paths", nargs="+", help="a save (step_N/), a checkpoint directory or a run directory")
+    verify.set_defaults(func=_verify_checkpoints)
     return parser
 
 
@@ -83,6 +89,29 @@ def _eval(args: argparse.Namespace) -> int:
         template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
     )  # fmt: skip
     return 0
+
+
+def _verify_checkpoints(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from dapo_mcore.checkpoint.model_checkpoint import dir_bytes, saves_in, verify_complete
+    from dapo_mcore.utils.errors import CheckpointError
+
+    damaged = 0
+    for save in [s for p in args.paths for s in saves_in(Path(p))]:
+        start = time.perf_counter()
+        try:
+            verify_complete(save, checksums=True)
+        except CheckpointError as err:
+            damaged += 1
+            print(f"DAMAGED  {err}")
+            continue
+        took = time.perf_counter() - start
+        print(
+            f"ok       {save}: {dir_bytes(save) / 2**20:.1f} MiB, every file's size and CRC-32 checked in {took:.1f} s"
+        )
+    return 2 if damaged else 0
 
 
 def _train(args: argparse.Namespace) -> int:

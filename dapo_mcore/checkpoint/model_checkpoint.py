@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -107,14 +108,49 @@ def copy_hf_assets(hf_dir: Path, ckpt: Path) -> None:
     copy_hf_files(Path(hf_dir), ckpt / HF_ASSETS)
 
 
-# ----- completeness ---------------------------------------------------------------------------------------
-def write_manifest(ckpt: Path) -> None:
-    files = {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file()}
+# ----- completeness and integrity ---------------------------------------------------------------------------
+# The manifest lists every file of a save with its size and CRC-32, written last: a save without one did not
+# finish; a size that differs means a file cut short; a CRC that differs means bytes damaged after writing.
+_CRC_BLOCK = 8 << 20
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as fh:
+        while block := fh.read(_CRC_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_manifest(ckpt: Path, known_crcs: dict[str, int] | None = None) -> None:
+    """MANIFEST.json for every file under `ckpt`; `known_crcs` (relative name -> CRC-32) are those the writing
+    ranks computed for their own shards, the rest are computed here."""
+    known = known_crcs or {}
+    files = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        name = str(path.relative_to(ckpt))
+        files[name] = {"bytes": path.stat().st_size, "crc32": known.get(name, None)}
+        if files[name]["crc32"] is None:
+            files[name]["crc32"] = file_crc32(path)
     atomic_write(ckpt / MANIFEST, json.dumps({"version": FORMAT_VERSION, "files": files}, indent=1))
 
 
-def verify_complete(ckpt: Path) -> None:
-    """Raise a CheckpointError that says what is wrong with a checkpoint that was cut short."""
+def read_manifest(ckpt: Path) -> dict[str, dict[str, int | None]]:
+    """name -> {"bytes", "crc32"} (crc32 None in manifests written before checksums)."""
+    manifest = ckpt / MANIFEST
+    try:
+        files = dict(json.loads(manifest.read_text())["files"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is unreadable ({err})") from None
+    return {
+        name: entry if isinstance(entry, dict) else {"bytes": entry, "crc32": None} for name, entry in files.items()
+    }
+
+
+def verify_complete(ckpt: Path, checksums: bool = False) -> int:
+    """Raise a CheckpointError naming the file and what is wrong with a save that was cut short (sizes, always)
+    or damaged (CRC-32 of every file, with checksums=True: reads the whole save). Returns the number of files
+    whose CRC-32 was checked (0 for a manifest written before checksums)."""
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} does not exist")
     manifest = ckpt / MANIFEST
@@ -125,21 +161,39 @@ def verify_complete(ckpt: Path) -> None:
         )
     if not manifest.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: no {MANIFEST} (the save did not finish)")
-    try:
-        files = dict(json.loads(manifest.read_text())["files"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is unreadable ({err})") from None
-    for name, size in files.items():
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt} is incomplete: {name} is missing")
-        if path.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint {ckpt} is damaged: {name} has {path.stat().st_size} bytes, the manifest says {size}"
-            )
+    files = read_manifest(ckpt)
     for needed in ("metadata.json", ".metadata", "common.pt"):
         if needed not in files:
             raise CheckpointError(f"checkpoint {ckpt} has no {needed}: not a complete distributed checkpoint")
+    for name, entry in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete: {name} is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {ckpt} is damaged: {name} has {path.stat().st_size} bytes, the manifest says "
+                f"{entry['bytes']}"
+            )
+    with_crc = {name: entry["crc32"] for name, entry in files.items() if entry["crc32"] is not None}
+    if checksums:
+        for name, crc in with_crc.items():
+            if file_crc32(ckpt / name) != crc:
+                raise CheckpointError(f"checkpoint {ckpt} is damaged: {name} fails its CRC-32 check")
+    return len(with_crc) if checksums else 0
+
+
+def saves_in(path: Path) -> list[Path]:
+    """The saves `path` names: itself (a save), the step_* saves of a checkpoint directory, or those of a run
+    directory's checkpoints/. A path with none is a CheckpointError."""
+    if (path / MANIFEST).is_file() or (
+        path.is_dir() and not any(path.glob("step_*")) and path.name.startswith("step_")
+    ):
+        return [path]
+    for root in (path, path / "checkpoints"):
+        saves = sorted(p for p in root.glob("step_*") if p.is_dir())
+        if saves:
+            return saves
+    raise CheckpointError(f"{path}: no save here (a step_N directory, a checkpoint directory or a run directory)")
 
 
 def atomic_write(path: Path, text: str) -> None:

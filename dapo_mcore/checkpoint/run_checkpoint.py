@@ -36,6 +36,7 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     check_model_spec,
     copy_hf_assets,
     dir_bytes,
+    file_crc32,
     format_record,
     model_sharded_state_dict,
     read_common,
@@ -44,7 +45,7 @@ from dapo_mcore.checkpoint.model_checkpoint import (
 )
 from dapo_mcore.mcore.provider import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel.state import ParallelContext, on_rank0
+from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 
@@ -111,6 +112,9 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
 
         on_rank0(fresh_tmp, CheckpointError)
+        # Before the first update Adam has no state, which Megatron's distributed optimizer cannot save; zero
+        # moments and step 0 are what the first update starts from anyway.
+        _allocate_optimizer_state(actor.optimizer)
         model_sd = model_sharded_state_dict(actor.chunks)
         state = {
             "model": model_sd,
@@ -143,11 +147,14 @@ class CheckpointManager:
 
     def _complete(self, tmp: Path, final: Path, start: float) -> None:
         dist.barrier()  # every rank's shards are on disk
+        # each rank checksums the shard files it wrote (torch's writer names them __<rank>_<n>.distcp)
+        own = {p.name: file_crc32(p) for p in tmp.glob(f"__{self.ctx.rank}_*.distcp")}
+        crcs = {name: crc for part in all_gather_objects(own) for name, crc in part.items()}
 
         def publish() -> None:  # rank 0; an error (full disk, ...) is raised on every rank
             if self.hf_assets_from:
                 copy_hf_assets(Path(self.hf_assets_from), tmp)
-            write_manifest(tmp)
+            write_manifest(tmp, crcs)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             atomic_write(self.root / LATEST, final.name)
@@ -186,9 +193,14 @@ class CheckpointManager:
 
     # ----- finding ----------------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
-        """The newest save whose manifest checks out, the same on every rank; skipped ones are logged."""
-        found = on_rank0(lambda: find_latest_complete(self.root), CheckpointError)
+        """The newest intact save (sizes and checksums), the same on every rank; skipped ones are logged."""
+        found = on_rank0(lambda: find_latest_complete(self.root, checksums=True), CheckpointError)
         return Path(found) if found else None
+
+    def verified(self, path: Path) -> Path:
+        """`path`, after checking every file's size and checksum (a CheckpointError names the damaged file)."""
+        on_rank0(lambda: verify_complete(path, checksums=True), CheckpointError)
+        return path
 
     # ----- loading ----------------------------------------------------------------------------------------
     def load(self, path: Path, actor: Any, spec: ModelSpec) -> dict[str, Any]:
@@ -315,12 +327,12 @@ def _restore_rng(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def find_latest_complete(root: Path) -> Path | None:
+def find_latest_complete(root: Path, checksums: bool = False) -> Path | None:
     """The newest save that checks out; every newer one skipped is logged with why. (`latest` names the same
     save unless a job was killed between a save's rename and the pointer's update: then this one is newer.)"""
     for ckpt in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
         try:
-            verify_complete(ckpt)
+            verify_complete(ckpt, checksums=checksums)
             return ckpt
         except CheckpointError as err:
             log.warning("skipping %s: %s", ckpt.name, err)

@@ -1,0 +1,48 @@
+"""Saves damaged after they were written (same size, different bytes) are caught by their CRC-32: named by
+`dapo-mcore checkpoint verify`, skipped by resume=auto for the newest intact save, refused when named."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+from tests.e2e.test_checkpoints import reference, train_args, without_timings  # noqa: F401 (fixture)
+from tests.e2e.test_train_cli import cli, read_rows
+
+
+def flip_bytes(path: Path, count: int = 4096) -> None:
+    """Overwrite up to `count` bytes in the middle of a file with their complement: same size, other bytes."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 4
+    end = min(start + count, len(data))
+    data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "common.pt"])
+def test_same_size_damage_is_caught_and_resume_auto_falls_back_to_the_older_save(reference, tmp_path, name):  # noqa: F811
+    run_dir = shutil.copytree(reference, tmp_path / "run")
+    damaged = run_dir / "checkpoints" / "step_000006"
+    size = (damaged / name).stat().st_size
+    flip_bytes(damaged / name)
+    assert (damaged / name).stat().st_size == size
+    verify_complete(damaged)  # sizes alone cannot see it
+    check = cli("checkpoint", "verify", str(run_dir), expect=2)
+    assert f"DAMAGED  checkpoint {damaged} is damaged: {name} fails its CRC-32 check" in check.stdout
+    assert check.stdout.count("ok ") == 2  # step_000002 and step_000004
+
+    named = cli(*train_args(run_dir, f"checkpoint.resume={damaged}"), expect=2)
+    assert (
+        named.stderr.strip().splitlines()[-1]
+        == f"dapo-mcore: error: checkpoint {damaged} is damaged: {name} fails its CRC-32 check"
+    )
+
+    resumed = cli(*train_args(run_dir, "checkpoint.resume=auto"))
+    assert f"skipping step_000006: checkpoint {damaged} is damaged: {name} fails its CRC-32 check" in resumed.stderr
+    assert "step_000004 at step 4" in resumed.stderr
+    assert without_timings(read_rows(run_dir)) == without_timings(read_rows(reference))
+    assert [p.name[:11] for p in (run_dir / "checkpoints" / "set_aside").iterdir()] == ["step_000006"]
+    assert verify_complete(run_dir / "checkpoints" / "step_000006", checksums=True) > 0  # the new save, intact
