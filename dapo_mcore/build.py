@@ -155,6 +155,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         hf_assets_from=cfg.model.hf_path,
         async_save=cfg.checkpoint.async_save,
     )
+    checkpoints.remove_partials()  # the lock is held: no live run is writing them
     resume = find_resume(cfg, checkpoints, run_dir, spec)
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)

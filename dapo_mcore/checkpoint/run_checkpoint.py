@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dapo_mcore.checkpoint.model_checkpoint import (
     atomic_write,
@@ -111,6 +112,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
 
+        on_rank0(lambda: self._check_room(final), CheckpointError)
         on_rank0(fresh_tmp, CheckpointError)
         # Before the first update Adam has no state, which Megatron's distributed optimizer cannot save; zero
         # moments and step 0 are what the first update starts from anyway.
@@ -131,9 +133,40 @@ class CheckpointManager:
             self._async_queue.schedule_async_request(request)
             log.info("checkpoint %s: writing in the background (%.1f s blocked)", final, time.perf_counter() - start)
         else:
-            dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
-            finish()
+            try:
+                dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
+                finish()
+            except (Exception, CheckpointException) as err:  # a full disk, an I/O error (on any rank)
+                self._abandon(tmp, final, err)
         return final
+
+    def _check_room(self, final: Path) -> None:
+        """Refuse to start a save the file system cannot hold, judged by the size of the newest save."""
+        previous = find_latest_complete(self.root)
+        if previous is None:
+            return
+        needed, free = dir_bytes(previous), shutil.disk_usage(self.root).free
+        if free < needed:
+            raise CheckpointError(
+                f"not enough space for checkpoint {final}: the last save ({previous.name}) took "
+                f"{needed / 2**20:.1f} MiB, {self.root} has {free / 2**20:.1f} MiB free; every earlier save is kept"
+            )
+
+    def _abandon(self, tmp: Path, final: Path, err: BaseException) -> None:
+        """After a failed save: remove its partial directory (rank 0), keep `latest` and every earlier save, and
+        stop with one line saying what failed, what it needed and what was free."""
+        previous = find_latest_complete(self.root) if self.ctx.rank == 0 else None
+        needed = f"about {dir_bytes(previous) / 2**20:.1f} MiB (the size of {previous.name})" if previous else None
+        written = dir_bytes(tmp) / 2**20 if self.ctx.rank == 0 and tmp.exists() else 0.0
+        free = shutil.disk_usage(self.root).free / 2**20
+        if self.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {final} failed: {_first_cause(err)}; {written:.1f} MiB were written and "
+            f"{free:.1f} MiB were free in {self.root} when it failed"
+            + (f", it needed {needed}" if needed else "")
+            + "; the partial save was removed, `latest` and every earlier save are kept"
+        ) from None
 
     def poll(self) -> None:
         """Complete a background save whose shards are written (collective; call once per step)."""
@@ -190,6 +223,18 @@ class CheckpointManager:
                     (self.root / LATEST).unlink()
 
         on_rank0(move, CheckpointError)
+
+    def remove_partials(self) -> None:
+        """Delete the partial directories of saves that never finished (a killed job, a full disk): they hold
+        nothing a resume can use, and on a full disk they keep the next save from fitting."""
+
+        def remove() -> None:
+            for partial in sorted(self.root.glob(".step_*.tmp")):
+                size = dir_bytes(partial)
+                shutil.rmtree(partial, ignore_errors=True)
+                log.warning("removed %s, a save that never finished (%.1f MiB)", partial, size / 2**20)
+
+        on_rank0(remove, CheckpointError)
 
     # ----- finding ----------------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
@@ -325,6 +370,17 @@ def _restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _first_cause(err: BaseException) -> str:
+    """The underlying error of a failed save in one line (torch's CheckpointException wraps each rank's)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = next(iter(failures.items()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {_first_cause(inner)}"
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
 def find_latest_complete(root: Path, checksums: bool = False) -> Path | None:

@@ -1,0 +1,62 @@
+"""A save that does not fit: on a small tmpfs, a save that fails mid-write removes its partial directory and a
+save that cannot fit is refused before writing; each stops the run with one line, keeps every earlier save,
+and the next resume=auto needs no manual step. Skipped where tmpfs cannot be mounted (needs root)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+from tests.e2e.test_train_cli import SHORT, cli, read_rows
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mounted = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk-{size}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def args(run_dir: Path, ckpt_dir: Path, *extra: str) -> list[str]:
+    return ["train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=4", "checkpoint.save_interval=2",
+            f"checkpoint.dir={ckpt_dir}", "logging.wandb.mode=disabled", "logging.progress=false",
+            f"logging.run_dir={run_dir}", *extra]  # fmt: skip
+
+
+def test_a_save_that_fails_mid_write_leaves_no_partial_directory(small_disk, tmp_path):
+    disk, run_dir = small_disk("1m"), tmp_path / "run"  # a save of the demo model takes about 2.3 MiB
+    proc = cli(*args(run_dir, disk), expect=2)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dapo-mcore: error: saving checkpoint {disk}/step_000002 failed: rank 0: ")
+    assert "MiB were free" in last and "the partial save was removed" in last
+    assert list(disk.iterdir()) == []
+    assert [r["step"] for r in read_rows(run_dir)] == [0, 1]
+    # the next run starts with no manual step (no save to resume from: from step 0)
+    again = cli(*args(run_dir, disk, "checkpoint.resume=auto", "checkpoint.save_interval=0"))
+    assert "no complete save" in again.stderr
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing_and_the_earlier_one_resumes(small_disk, tmp_path):
+    disk, run_dir = small_disk("4m"), tmp_path / "run"  # room for one save, not two
+    proc = cli(*args(run_dir, disk), expect=2)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dapo-mcore: error: not enough space for checkpoint {disk}/step_000004: the last save")
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "step_000002"]
+    assert verify_complete(disk / "step_000002", checksums=True) > 0
+    resumed = cli(*args(run_dir, disk, "checkpoint.resume=auto", "checkpoint.save_interval=0"))
+    assert "step_000002 at step 2" in resumed.stderr
+    assert [r["step"] for r in read_rows(run_dir)] == [0, 1, 2, 3]
