@@ -19,16 +19,30 @@ from dapo_mcore.utils.errors import DapoError
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dapo_mcore.utils.processes import Terminated, end_children, raise_on_sigterm
+
+    as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
     args = _parser().parse_args(argv)
+    if as_command:
+        raise_on_sigterm()
+    rank = os.environ.get("RANK", "0")
     try:
         return args.func(args)
     except DapoError as err:
-        rank = os.environ.get("RANK", "0")
         if os.environ.get("WORLD_SIZE", "1") == "1" or rank == "0":
             print(f"dapo-mcore: error: {err}", file=sys.stderr)
         elif not err.same_on_every_rank:
             print(f"dapo-mcore: error (rank {rank}): {err}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as stop:
+        name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else ("SIGTERM", 143)
+        if rank == "0":
+            print(f"dapo-mcore: stopped by {name}; every complete save is kept (continue with checkpoint.resume=auto)",
+                  file=sys.stderr)  # fmt: skip
+        return code
+    finally:
+        if as_command:
+            end_children()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -49,6 +49,7 @@ from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
+from dapo_mcore.utils.processes import die_with_parent
 
 log = get_logger(__name__)
 
@@ -90,6 +91,7 @@ class CheckpointManager:
         async_save: bool = False,
     ):
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
+        _writer_results_queue_dies_with_us()
         self._async_queue = None
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -370,6 +372,26 @@ def _restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+_WRITER_MANAGER = None  # the multiprocessing manager behind Megatron's write-results queue, kept alive
+
+
+def _writer_results_queue_dies_with_us() -> None:
+    """Megatron-Core's checkpoint writer passes results through a queue served by a multiprocessing manager
+    process it starts on first use; if this process is killed outright (SIGKILL) that manager lives on. Start
+    it here instead, with the parent-death signal set, and hand Megatron its queue."""
+    global _WRITER_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", "missing") is not None:
+        return  # already made (by us or by Megatron), or a Megatron without this queue
+    _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
+    _WRITER_MANAGER.start(initializer=die_with_parent)
+    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
 
 
 def _first_cause(err: BaseException) -> str:

@@ -18,6 +18,7 @@ from multiprocessing.connection import wait
 
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
+from dapo_mcore.utils.processes import die_with_parent
 
 BUILTIN_VERIFIERS = {
     "dapo": "dapo_mcore.rewards.dapo_rule:is_correct",
@@ -39,6 +40,7 @@ def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
 
 
 def _worker_main(conn, spec: str) -> None:
+    die_with_parent()
     verifier = resolve_verifier(spec)
     conn.send("ready")  # deadlines start once the verifier is imported, not while the process starts
     while True:

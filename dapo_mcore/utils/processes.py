@@ -1,0 +1,52 @@
+"""Clean ends: SIGTERM as an exception (as SIGINT is), child processes that end with the run.
+
+SIGINT and SIGTERM unwind the stack, so the trainer's `finally` blocks shut the engine, the verifier workers
+and the run-directory lock down; the CLI then prints one line and exits 130 / 143. What is left of the
+process tree (e.g. the checkpoint writer's helper processes) is ended by `end_children`. Workers this project
+starts also die with their parent when it is killed outright (SIGKILL), through Linux's parent-death signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (scancel, preemption, a time limit): unwinds like KeyboardInterrupt."""
+
+
+def raise_on_sigterm() -> None:
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding at a time
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def die_with_parent() -> None:
+    """In a worker process: be killed when the parent dies (Linux), and leave SIGINT to the parent, which
+    stops its workers itself (a Ctrl-C reaches the whole process group)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def end_children(timeout_s: float = 5.0) -> int:
+    """Terminate (then kill) every process below this one; returns how many there were."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return len(children)
