@@ -22,7 +22,7 @@ from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.config.validate import eval_file_list
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
-from dapo_mcore.data.templates import PromptFormatter
+from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.mcore.actor import (
     ActorSettings,
@@ -54,7 +54,7 @@ from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
 from dapo_mcore.rollout.validation import EvalSettings, Validator
-from dapo_mcore.utils.errors import CheckpointError, LayoutError, RunLockError
+from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, LayoutError, RunLockError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
 from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
@@ -159,7 +159,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     resume = find_resume(cfg, checkpoints, run_dir, spec)
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
-    prompts = build_prompt_setup(cfg, tokenizer)
+    prompts = build_prompt_setup(cfg, tokenizer, spec)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
@@ -338,16 +338,44 @@ def sampler_settings(cfg: RunConfig) -> SamplerSettings:
     )
 
 
-def build_prompt_setup(cfg: RunConfig, tokenizer: Any) -> PromptSetup:
+def build_prompt_setup(cfg: RunConfig, tokenizer: Any, spec: ModelSpec) -> PromptSetup:
     data = cfg.data
-    formatter = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt)
+    limit, where = prompt_length_limit(cfg, spec)
+    keep_last = limit if data.long_prompts == "truncate_left" else 0
+    formatter = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt, keep_last)
+    measure = PromptFormatter(tokenizer, data.template, data.instruction, data.system_prompt)  # untruncated
     source = build_prompt_source(
         data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
     )
-    eval_sets = {
-        name: load_jsonl_prompts(name, data.prompt_key, data.answer_key) for name in eval_file_list(data.eval_files)
-    }
-    return PromptSetup(formatter, source, eval_sets if cfg.trainer.eval_interval > 0 else {})
+    files = {data.source: source} if data.source != "arithmetic" else {}
+    if cfg.trainer.eval_interval > 0:
+        files |= {
+            name: load_jsonl_prompts(name, data.prompt_key, data.answer_key) for name in eval_file_list(data.eval_files)
+        }
+    for name, prompts in files.items():
+        files[name], over = apply_length_policy(prompts, measure, limit, data.long_prompts, where)
+        if over:
+            done = "left out" if data.long_prompts == "drop" else "cut to their last tokens"
+            log.warning("%s: %d prompts longer than %d tokens (%s) %s (data.long_prompts=%s)",
+                        name, over, limit, where, done, data.long_prompts)  # fmt: skip
+        if not files[name]:
+            raise DataError(f"{name}: every prompt is longer than {limit} tokens ({where})")
+    if data.source != "arithmetic":
+        source = files.pop(data.source)
+    return PromptSetup(formatter, source, files)
+
+
+def prompt_length_limit(cfg: RunConfig, spec: ModelSpec) -> tuple[int, str]:
+    """The longest prompt allowed, in tokens, and where that figure comes from."""
+    if cfg.data.max_prompt_len > 0:
+        return cfg.data.max_prompt_len, "data.max_prompt_len"
+    limit = spec.max_position_embeddings - cfg.rollout.sampling.max_response_len
+    if limit < 1:
+        raise ConfigError(
+            f"rollout.sampling.max_response_len={cfg.rollout.sampling.max_response_len} leaves no room for a prompt "
+            f"in the model's {spec.max_position_embeddings} positions"
+        )
+    return limit, f"the model's {spec.max_position_embeddings} positions minus max_response_len"
 
 
 def build_sampler(

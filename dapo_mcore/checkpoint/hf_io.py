@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,9 +37,14 @@ class SafetensorsReader:
         self.hf_dir = Path(hf_dir)
         index = self.hf_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise CheckpointError(
+                    f"{index} is not a valid safetensors index ({type(err).__name__}: {err})"
+                ) from None
         elif (self.hf_dir / "model.safetensors").is_file():
-            with safe_open(self.hf_dir / "model.safetensors", framework="pt") as fh:
+            with _readable(self.hf_dir / "model.safetensors"), safe_open(self.hf_dir / "model.safetensors", "pt") as fh:
                 weight_map = {k: "model.safetensors" for k in fh.keys()}  # noqa: SIM118 (not a dict)
         else:
             raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {self.hf_dir}")
@@ -53,8 +60,19 @@ class SafetensorsReader:
         path = self.hf_dir / self.weight_map[name]
         if not path.is_file():
             raise CheckpointError(f"{self.hf_dir}: shard file {path.name} (holding '{name}') is missing")
-        with self._open(path, framework="pt") as fh:
+        with _readable(path), self._open(path, framework="pt") as fh:
             return fh.get_tensor(name)
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """A damaged safetensors file (cut short, garbled header) as one CheckpointError naming it."""
+    try:
+        yield
+    except Exception as err:
+        if type(err).__name__ != "SafetensorError" and not isinstance(err, OSError):
+            raise
+        raise CheckpointError(f"{path} is not a readable safetensors file (cut short?): {err}") from None
 
 
 @torch.no_grad()

@@ -278,6 +278,12 @@ class DataConfig:
     instruction: str = "none"
     # A system message for data.template=chat (empty: none).
     system_prompt: str = ""
+    # Longest prompt in tokens (after the template and instruction); 0: the model's positions minus
+    # rollout.sampling.max_response_len.
+    max_prompt_len: int = 0
+    # A prompt file's prompts longer than that: "error" (names file and row), "drop" them, or "truncate_left"
+    # (keep their last max_prompt_len tokens); dropped / truncated ones are counted in the log.
+    long_prompts: Literal["error", "drop", "truncate_left"] = "error"
     # Held-out prompt files (.jsonl, comma-separated) for validation every trainer.eval_interval steps; they
     # take the same template, instruction and verifier as training.
     eval_files: str = ""

@@ -22,8 +22,14 @@ def load_jsonl_prompts(path: str | Path, prompt_key: str = "prompt", answer_key:
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     prompts = []
-    with path.open() as fh:
-        for line_no, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 text (byte {err.start}: {raw[err.start : err.start + 1]!r})"
+                ) from None
             if line.strip():
                 prompts.append(_parse_row(line, line_no, path, prompt_key, answer_key))
     if not prompts:

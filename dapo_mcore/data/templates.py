@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dapo_mcore.utils.errors import ConfigError
+from dapo_mcore.utils.errors import ConfigError, DataError
 
 # The DAPO paper's instruction around each problem (its training data carries it; arXiv 2503.14476, sec. 4).
 DAPO_PREFIX = (
@@ -27,7 +27,14 @@ class _Encoded:
 
 
 class PromptFormatter:
-    def __init__(self, tokenizer: Any, template: str = "none", instruction: str = "none", system_prompt: str = ""):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str = "none",
+        instruction: str = "none",
+        system_prompt: str = "",
+        keep_last: int = 0,
+    ):
         if template not in ("none", "chat"):
             raise ConfigError(f"data.template must be 'none' or 'chat', got {template!r}")
         if instruction not in INSTRUCTIONS and "{problem}" not in instruction:
@@ -41,6 +48,7 @@ class PromptFormatter:
                 f"data.template=chat: {name} has no chat template (a base model?); use data.template=none"
             )
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
+        self.keep_last = keep_last  # > 0: a longer prompt keeps its last keep_last tokens (left truncation)
         if instruction in INSTRUCTIONS:
             self.prefix, self.suffix = INSTRUCTIONS[instruction]
         else:  # "... {problem} ...": the text around the placeholder
@@ -56,12 +64,35 @@ class PromptFormatter:
     def __call__(self, problem: str) -> _Encoded:
         body = self.prefix + problem + self.suffix
         if self.template == "none":
-            return _Encoded(list(self.tokenizer(body).input_ids))
-        ids = self.tokenizer.apply_chat_template(self._messages(body), add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
-            ids = ids["input_ids"]
-        return _Encoded(list(ids))
+            ids = list(self.tokenizer(body).input_ids)
+        else:
+            ids = self.tokenizer.apply_chat_template(self._messages(body), add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
+                ids = ids["input_ids"]
+        return _Encoded(list(ids)[-self.keep_last :] if self.keep_last else list(ids))
 
     def _messages(self, body: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": body}]
+
+
+def apply_length_policy(
+    prompts: list[Any], encode: PromptFormatter, limit: int, policy: str, where: str
+) -> tuple[list[Any], int]:
+    """Prompts longer than `limit` tokens: an error naming the first (file:row, its length), dropped, or kept
+    for left truncation (policy "truncate_left": the formatter cuts them). Returns the prompts kept and how many
+    were over the limit."""
+    too_long = [(p, n) for p in prompts if (n := len(encode(p.text).input_ids)) > limit]
+    if not too_long:
+        return prompts, 0
+    if policy == "error":
+        first, length = too_long[0]
+        raise DataError(
+            f"{first.uid}: the prompt is {length} tokens, longer than the {limit} allowed ({where}); "
+            f"{len(too_long)} prompts of this file are; set data.long_prompts=drop or truncate_left, or "
+            "data.max_prompt_len"
+        )
+    if policy == "drop":
+        long_ids = {id(p) for p, _ in too_long}
+        return [p for p in prompts if id(p) not in long_ids], len(too_long)
+    return prompts, len(too_long)

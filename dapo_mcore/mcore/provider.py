@@ -48,7 +48,13 @@ def load_hf_config(hf_path: str | Path) -> dict[str, Any]:
     path = Path(hf_path) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in model directory {hf_path}")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return config
 
 
 def read_model_spec(hf: dict[str, Any]) -> ModelSpec:
