@@ -6,7 +6,8 @@
 After one RL step (so Adam has its state), saves the run checkpoint `--repeats` times and loads it back as
 many times, through the trainer's CheckpointManager. Baseline, measured in the same run: torch.save of this
 rank's model state dict and torch Adam state to one file (what a single-process trainer would do; neither
-atomic nor reshardable). Prints a markdown table. Works under torchrun for parallel layouts.
+atomic nor reshardable). Also times the CRC-32 of every file of the save (part of each save) and the check a
+resume makes before loading (sizes + CRC-32). Prints a markdown table. Works under torchrun for parallel layouts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.build import build_run
-from dapo_mcore.checkpoint.model_checkpoint import dir_bytes
+from dapo_mcore.checkpoint.model_checkpoint import dir_bytes, file_crc32, verify_complete
 from dapo_mcore.config import load_config
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.trainer import finish, rl_step
@@ -70,6 +71,9 @@ def main() -> None:
                 completes.append(timed(run.checkpoints.wait))  # 0 unless checkpoint.async_save
             path = run.checkpoints.root / "step_000001"
             loads = [timed(lambda: run.checkpoints.load(path, run.actor, run.spec)) for _ in range(args.repeats)]
+            files = [f for f in path.rglob("*") if f.is_file()]
+            crcs = [timed(lambda: [file_crc32(f) for f in files]) for _ in range(args.repeats)]  # inside a save
+            verifies = [timed(lambda: verify_complete(path, checksums=True)) for _ in range(args.repeats)]
             plain = Path(tmp) / f"plain_{run.ctx.rank}.pt"
             inner = [sub.optimizer for sub in getattr(run.actor.optimizer, "chained_optimizers", [run.actor.optimizer])]
             model_and_optimizer = lambda: torch.save(  # noqa: E731
@@ -81,7 +85,8 @@ def main() -> None:
             )
             baseline = [timed(model_and_optimizer) for _ in range(args.repeats)]
             if run.ctx.rank == 0:
-                report(cfg, run, saves, completes, loads, baseline, dir_bytes(path), plain.stat().st_size)
+                timings = {"saves": saves, "completes": completes, "loads": loads, "crcs": crcs, "verifies": verifies}
+                report(cfg, run, timings, baseline, dir_bytes(path), plain.stat().st_size)
         finally:
             finish(run)
     finally:
@@ -89,9 +94,10 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report(cfg, run, saves, completes, loads, baseline, size, plain_size) -> None:
+def report(cfg, run, timings, baseline, size, plain_size) -> None:
     params = sum(p.numel() for c in run.actor.chunks for p in c.parameters())
     base = statistics.median(baseline)
+    saves, completes, loads = timings["saves"], timings["completes"], timings["loads"]
     print(
         f"config: {cfg.name} | {run.ctx.describe()} | {platform.processor() or platform.machine()} | "
         f"{params:,} parameters on rank 0 | median of {len(saves)}"
@@ -100,6 +106,8 @@ def report(cfg, run, saves, completes, loads, baseline, size, plain_size) -> Non
         ("run checkpoint save: training blocked", statistics.median(saves), f"{size / 2**20:.2f} MiB"),
         ("run checkpoint save: until complete", statistics.median(a + b for a, b in zip(saves, completes)), ""),
         ("run checkpoint load", statistics.median(loads), ""),
+        ("  of a save: CRC-32 of every file", statistics.median(timings["crcs"]), ""),
+        ("  before a resume: verify sizes + CRC-32", statistics.median(timings["verifies"]), ""),
         ("baseline: torch.save of model + Adam state", base, f"{plain_size / 2**20:.2f} MiB"),
     ]
     print("| | median s | vs torch.save | size |\n|---|---|---|---|")
