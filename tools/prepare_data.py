@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dapo_mcore.data.published import LAYOUTS, PromptRow, convert_file, deduplicate
-from dapo_mcore.data.templates import INSTRUCTIONS
+from dapo_mcore.data.templates import instruction_parts
 from dapo_mcore.utils.errors import DapoError
 
 
@@ -72,14 +72,7 @@ def convert(files: list[Path], layout: str | None, keep_duplicates: bool) -> lis
 
 
 def with_instruction(rows: list[PromptRow], instruction: str) -> list[PromptRow]:
-    if instruction == "none":
-        return rows
-    if instruction in INSTRUCTIONS:
-        prefix, suffix = INSTRUCTIONS[instruction]
-    elif "{problem}" in instruction:
-        prefix, _, suffix = instruction.partition("{problem}")
-    else:
-        raise DapoError(f"--instruction must be none, dapo or a text with {{problem}} in it, got {instruction!r}")
+    prefix, suffix = instruction_parts(instruction)
     return [replace(row, prompt=prefix + row.prompt + suffix) for row in rows]
 
 

@@ -21,6 +21,19 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 INSTRUCTIONS = {"none": ("", ""), "dapo": (DAPO_PREFIX, DAPO_SUFFIX)}
 
 
+def instruction_parts(instruction: str) -> tuple[str, str]:
+    """The text before and after the problem: a named instruction, or your own with {problem} in it."""
+    if instruction in INSTRUCTIONS:
+        return INSTRUCTIONS[instruction]
+    if "{problem}" not in instruction:
+        raise ConfigError(
+            f"data.instruction must be one of {sorted(INSTRUCTIONS)} or a text with {{problem}} in it, "
+            f"got {instruction!r}"
+        )
+    prefix, _, suffix = instruction.partition("{problem}")
+    return prefix, suffix
+
+
 @dataclass
 class _Encoded:
     input_ids: list[int]
@@ -37,11 +50,7 @@ class PromptFormatter:
     ):
         if template not in ("none", "chat"):
             raise ConfigError(f"data.template must be 'none' or 'chat', got {template!r}")
-        if instruction not in INSTRUCTIONS and "{problem}" not in instruction:
-            raise ConfigError(
-                f"data.instruction must be one of {sorted(INSTRUCTIONS)} or a text with {{problem}} in it, "
-                f"got {instruction!r}"
-            )
+        self.prefix, self.suffix = instruction_parts(instruction)
         if template == "chat" and not getattr(tokenizer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", "the model")
             raise ConfigError(
@@ -49,10 +58,6 @@ class PromptFormatter:
             )
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
         self.keep_last = keep_last  # > 0: a longer prompt keeps its last keep_last tokens (left truncation)
-        if instruction in INSTRUCTIONS:
-            self.prefix, self.suffix = INSTRUCTIONS[instruction]
-        else:  # "... {problem} ...": the text around the placeholder
-            self.prefix, _, self.suffix = instruction.partition("{problem}")
 
     def text(self, problem: str) -> str:
         """The prompt as text (for logs and eval reports)."""
