@@ -161,15 +161,26 @@ def destroy_parallel() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A one-process world set RANK, MASTER_PORT, ... here: take them back, or every process started later from
+    # this one (a conversion in-process, then a training run) would inherit a world and a port not its own.
+    for key, value in list(_ENV_SET_HERE.items()):
+        if os.environ.get(key) == value:
+            del os.environ[key]
+        del _ENV_SET_HERE[key]
+
+
+_ENV_SET_HERE: dict[str, str] = {}
 
 
 def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # a plain `python`/`dapo-mcore` run: a one-process world
-        os.environ.update(
+        one_process = dict(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
         )
+        os.environ.update(one_process)
+        _ENV_SET_HERE.update(one_process)
     backend = "gloo" if device.type == "cpu" else "nccl"
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 

@@ -55,13 +55,10 @@ def test_a_signal_ends_the_run_with_one_line_its_exit_code_and_no_child_left(tmp
     assert not (tmp_path / ".run.lock").exists()  # the run-directory lock was released
 
 
-def test_after_a_sigkill_the_verifier_workers_end_too(tmp_path):
+def test_after_a_sigkill_no_process_of_the_run_is_left(tmp_path):
     proc = start(tmp_path / "run")
-    children = wait_for_training(proc, tmp_path / "run")
-    workers = [
-        c for c in children if "multiprocessing" in " ".join(c.cmdline()) and "spawn_main" in " ".join(c.cmdline())
-    ]
-    assert workers
+    children = wait_for_training(proc, tmp_path / "run")  # verifier workers, the checkpoint writer's manager, ...
+    assert children
     proc.kill()
     proc.wait()
-    assert gone(workers) == []
+    assert gone(children) == []
