@@ -5,7 +5,6 @@ import os
 
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 
-
 WORLD_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
