@@ -20,7 +20,7 @@ from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
-from dapo_mcore.config.validate import eval_file_list
+from dapo_mcore.config.validate import eval_file_list, run_dir_of
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import Prompt
@@ -125,10 +125,6 @@ def build_run(cfg: RunConfig) -> Run:
             lock.release()
         destroy_parallel()  # a failed start (bad checkpoint, engine that would not start) leaves no group behind
         raise
-
-
-def run_dir_of(cfg: RunConfig) -> Path:
-    return Path(cfg.logging.run_dir or f"runs/{cfg.name}")
 
 
 def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> RunLock | None:

@@ -42,36 +42,33 @@ def run_eval(
     dtype: str = "float32",
     out: str | None = None,
 ) -> dict[str, Any]:
-    if not (Path(model) / "config.json").is_file():
-        _checkpoint_of(Path(model))  # names what is wrong with `model` before anything else
+    # an HF directory is used as it is; anything else must be a checkpoint (named if it is not, before any work)
+    ckpt = None if (Path(model) / "config.json").is_file() else _checkpoint_of(Path(model))
     prompt_sets = {name: load_jsonl_prompts(name) for name in files}  # every file checked before any work
     with tempfile.TemporaryDirectory(prefix="dapo-eval.") as workdir:
-        hf_dir = as_hf_directory(Path(model), Path(workdir))
+        hf_dir = Path(model) if ckpt is None else converted_to_hf(ckpt, Path(workdir) / "hf")
         engine = EngineSettings(model_path=str(hf_dir), device=device, dtype=dtype)
         results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, (template, instruction))
     results["model"] = model
-    if hf_dir != Path(model):
-        results["converted_from"] = str(_checkpoint_of(Path(model)))
+    if ckpt is not None:
+        results["converted_from"] = str(ckpt)
     if out:
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     return results
 
 
-def as_hf_directory(model: Path, workdir: Path) -> Path:
-    """`model` itself when it is an HF directory, else its checkpoint converted into workdir/hf."""
-    if (model / "config.json").is_file():
-        return model
+def converted_to_hf(ckpt: Path, out_dir: Path) -> Path:
+    """A Megatron-Core checkpoint or run save written as an HF directory `out_dir` for the engine."""
     from dapo_mcore.checkpoint.conversion import mcore_to_hf
     from dapo_mcore.parallel import destroy_parallel
 
-    ckpt = _checkpoint_of(model)
     print(f"converting {ckpt} to an HF directory for the engine", flush=True)
     try:
-        mcore_to_hf(ckpt, workdir / "hf", dtype="")
+        mcore_to_hf(ckpt, out_dir, dtype="")
     finally:
         destroy_parallel()  # the engine sets up its own process groups
-    return workdir / "hf"
+    return out_dir
 
 
 def _checkpoint_of(model: Path) -> Path:

@@ -107,7 +107,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
     """eval/<file>/<metric> of the held-out files at steps 0, eval_interval, 2 x eval_interval, ... and at the
     last step; {} otherwise (same on every rank)."""
     interval, last = run.cfg.trainer.eval_interval, run.cfg.trainer.steps
-    if run.validator is None or interval <= 0 or (step % interval != 0 and step != last):
+    if run.validator is None or (step % interval != 0 and step != last):  # no validator unless interval > 0
         return {}
     start = time.perf_counter()
     with engine_phase(run):

@@ -45,7 +45,7 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_checkpoint(cfg: RunConfig) -> None:
-    run_dir = Path(cfg.logging.run_dir or f"runs/{cfg.name}")
+    run_dir = run_dir_of(cfg)
     _require(not run_dir.exists() or run_dir.is_dir(), f"logging.run_dir: {run_dir} exists and is not a directory")
     _require(cfg.logging.lock_stale_after_s > 0, "logging.lock_stale_after_s must be > 0")
     ck = cfg.checkpoint
@@ -171,6 +171,11 @@ def _check_batches(cfg: RunConfig) -> None:
         f"optimizer.min_lr={cfg.optimizer.min_lr} is larger than optimizer.lr={cfg.optimizer.lr}",
     )
     _require(cfg.optimizer.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
+
+
+def run_dir_of(cfg: RunConfig) -> Path:
+    """logging.run_dir, or runs/<name> when it is empty."""
+    return Path(cfg.logging.run_dir or f"runs/{cfg.name}")
 
 
 def eval_file_list(text: str) -> list[str]:

@@ -178,3 +178,12 @@ def test_training_from_a_converted_checkpoint_equals_training_from_the_hf_direct
     cli(*train_args(tmp_path / "hf", *one_step))
     cli(*train_args(tmp_path / "mc", *one_step, "model.init=mcore", f"model.mcore_path={tmp_path / 'mcore'}"))
     assert without_timings(read_rows(tmp_path / "mc")) == without_timings(read_rows(tmp_path / "hf"))
+
+
+def test_eval_takes_a_run_directory_and_converts_its_newest_save(reference, tmp_path):
+    out = tmp_path / "eval.json"
+    cli("eval", str(reference), "--data", "examples/data/sums.jsonl", "--k", "2", "--max-new-tokens", "16",
+        "--out", str(out))  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["converted_from"] == str(reference / "checkpoints" / "step_000006")
+    assert results["files"]["examples/data/sums.jsonl"]["problems"] == 20
