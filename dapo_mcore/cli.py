@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, Terminated) as stop:
         name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else ("SIGTERM", 143)
+        if as_command:
+            # what the unwinding did not stop (e.g. the checkpoint writer's helpers); not on a normal end,
+            # where wandb's own exit handler still needs its service process
+            end_children()
         if rank == "0":
             print(f"dapo-mcore: stopped by {name}; every complete save is kept (continue with checkpoint.resume=auto)",
                   file=sys.stderr)  # fmt: skip
         return code
-    finally:
-        if as_command:
-            end_children()
 
 
 def _parser() -> argparse.ArgumentParser:
