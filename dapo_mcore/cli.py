@@ -19,12 +19,13 @@ from dapo_mcore.utils.errors import DapoError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_mcore.utils.processes import Terminated, end_children, raise_on_sigterm
+    from dapo_mcore.launch import RESUME_EXIT_CODE, StoppedToResume, install_stop_handlers
+    from dapo_mcore.utils.processes import Terminated, end_children
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
     args = _parser().parse_args(argv)
     if as_command:
-        raise_on_sigterm()
+        install_stop_handlers()  # SIGUSR1 / SIGTERM: save at the next step boundary, exit 75
     rank = os.environ.get("RANK", "0")
     try:
         return args.func(args)
@@ -34,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         elif not err.same_on_every_rank:
             print(f"dapo-mcore: error (rank {rank}): {err}", file=sys.stderr)
         return 2
+    except StoppedToResume as stop:
+        if rank == "0":
+            print(f"dapo-mcore: {stop}; run the same command again (checkpoint.resume=auto) to continue",
+                  file=sys.stderr)  # fmt: skip
+        return RESUME_EXIT_CODE
     except (KeyboardInterrupt, Terminated) as stop:
-        name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else ("SIGTERM", 143)
+        name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 143)
         if as_command:
             # what the unwinding did not stop (e.g. the checkpoint writer's helpers); not on a normal end,
             # where wandb's own exit handler still needs its service process

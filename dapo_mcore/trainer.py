@@ -19,6 +19,7 @@ import torch
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.config import RunConfig
+from dapo_mcore.launch import StoppedToResume, agreed_stop, cancel_grace, configure_stop
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.utils.errors import CheckpointError
@@ -32,24 +33,35 @@ log = get_logger(__name__)
 
 def train(cfg: RunConfig) -> Path:
     """Run cfg.trainer.steps RL steps; returns the run directory."""
+    configure_stop(cfg.checkpoint.save_on_signal, cfg.checkpoint.sigterm_grace_s)
     run = build_run(cfg)
     try:
         first_step = restore(run)
+        saved_step = first_step if run.resume is not None else None
         push_weights(run)  # the engines sample from the actor's weights from the first step on
         with run.progress:
             run.progress.resume_at(first_step)
             for step in range(first_step, cfg.trainer.steps):
+                stop_if_signalled(run, step, saved_step)
                 held_out = validate(run, step)  # the weights this step starts from
                 report(run, step, {**held_out, **rl_step(run, step)})
                 run.checkpoints.poll()  # completes a background save whose shards are written
                 if should_save(cfg, step + 1):
                     save(run, step + 1)
+                    saved_step = step + 1
             final = validate(run, cfg.trainer.steps)
             if final and run.writer is not None:
                 run.writer.write(cfg.trainer.steps, final)  # a row of its own: the trained weights
         run.checkpoints.wait()
-    finally:
+    except StoppedToResume:
+        # every rank stopped at the same boundary: end together, so that srun --kill-on-bad-exit (exit 75 is
+        # not 0) cannot cut rank 0's wandb close or lock release short
+        finish(run, together=True)
+        raise
+    except BaseException:
         finish(run)
+        raise
+    finish(run, together=True)
     return run.run_dir
 
 
@@ -62,12 +74,27 @@ def restore(run: Run) -> int:
     return int(state["step"])
 
 
+def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
+    """At a step boundary: when any rank got SIGUSR1 / SIGTERM, save what was trained since the newest save
+    and raise StoppedToResume on every rank (the CLI exits 75; slurm/train.sbatch re-queues on it)."""
+    reason = agreed_stop()
+    if reason is None:
+        return
+    cancel_grace()
+    trained_since_save = next_step != (saved_step if saved_step is not None else 0)
+    path = save(run, next_step) if trained_since_save else None
+    run.checkpoints.wait()  # an async save is completed before the process ends
+    log.warning("stopping before step %d on %s: %s", next_step, reason,
+                f"saved to {path}" if trained_since_save else "nothing trained since the newest save")  # fmt: skip
+    raise StoppedToResume(reason, next_step, path)
+
+
 def should_save(cfg: RunConfig, next_step: int) -> bool:
     interval = cfg.checkpoint.save_interval
     return interval > 0 and (next_step % interval == 0 or next_step == cfg.trainer.steps)
 
 
-def save(run: Run, next_step: int) -> None:
+def save(run: Run, next_step: int) -> Path:
     """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export."""
     run_id = run.writer.wandb_run_id if run.writer is not None else None
     state = {"sampler": run.sampler.state_dict(), "wandb_run_id": broadcast_object(run_id, src=0)}
@@ -75,6 +102,7 @@ def save(run: Run, next_step: int) -> None:
     every = run.cfg.checkpoint.hf_export_interval * run.cfg.checkpoint.save_interval
     if every > 0 and (next_step % every == 0 or next_step == run.cfg.trainer.steps):
         export_hf(run, path)
+    return path
 
 
 def export_hf(run: Run, ckpt: Path) -> None:
@@ -185,7 +213,9 @@ def report(run: Run, step: int, metrics: dict[str, float]) -> None:
         plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
 
 
-def finish(run: Run) -> None:
+def finish(run: Run, together: bool = False) -> None:
+    """Close everything the run opened. `together`: every rank is here (a normal end, a stop on a signal),
+    so the ranks wait for each other before leaving; not after a failure, where a rank may be gone."""
     if run.writer is not None:
         if run.writer.path.exists():
             plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
@@ -194,4 +224,6 @@ def finish(run: Run) -> None:
     run.engine.shutdown()
     if run.lock is not None:
         run.lock.release()
+    if together:
+        torch.distributed.barrier()
     destroy_parallel()

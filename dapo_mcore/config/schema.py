@@ -305,6 +305,12 @@ class CheckpointConfig:
     async_save: bool = False
     # Also write the model as HF safetensors (+ config, tokenizer) to <dir>/hf/step_NNNNNN every N saves.
     hf_export_interval: int = 0
+    # On SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, scancel): finish the current step, save,
+    # exit 75 so slurm/train.sbatch re-queues the job (false: stop at once, keeping earlier saves).
+    save_on_signal: bool = True
+    # After SIGTERM, how long the current step may take to reach its end (and the save); then the run stops
+    # without saving. Keep it below Slurm's KillWait (30 s by default), after which Slurm kills the job.
+    sigterm_grace_s: float = 20.0
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Clean ends: SIGTERM as an exception (as SIGINT is), child processes that end with the run.
 
-SIGINT and SIGTERM unwind the stack, so the trainer's `finally` blocks shut the engine, the verifier workers
+SIGINT and SIGTERM (the latter once its grace for a save at the step boundary is over: dapo_mcore.launch)
+unwind the stack, so the trainer's `finally` blocks shut the engine, the verifier workers
 and the run-directory lock down; the CLI then prints one line and exits 130 / 143. What is left of the
 process tree (e.g. the checkpoint writer's helper processes) is ended by `end_children`. Workers this project
 starts also die with their parent when it is killed outright (SIGKILL), through Linux's parent-death signal.
@@ -19,13 +20,9 @@ _PR_SET_PDEATHSIG = 1
 class Terminated(BaseException):
     """SIGTERM arrived (scancel, preemption, a time limit): unwinds like KeyboardInterrupt."""
 
-
-def raise_on_sigterm() -> None:
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding at a time
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
+    def __init__(self, signal_name: str = "SIGTERM"):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def die_with_parent() -> None:

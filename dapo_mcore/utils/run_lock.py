@@ -3,8 +3,10 @@
 The lock is `.<run dir name>.lock` next to the run directory (not inside it, so it is never moved with it),
 created atomically (O_EXCL) and holding the holder's host, pid and start time. The holder touches it every
 HEARTBEAT_S seconds from a daemon thread. A second run refuses at once, naming the holder, unless the holder
-is dead: on the same host its pid is gone; on another host (a Slurm job re-queued onto another node) its
-heartbeat is older than the stale timeout. A dead holder's lock is taken over with a warning.
+is dead: it was an earlier attempt of this same Slurm job (a re-queued job keeps its job id and counts its
+restarts, and Slurm ends every process of an attempt before the next starts, on whichever node); on the same
+host its pid is gone; on another host its heartbeat is older than the stale timeout. A dead holder's lock is
+taken over with a warning.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class RunLock:
 
     def _create(self) -> bool:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        record |= _slurm_attempt()
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -89,6 +92,10 @@ class RunLock:
 
     def _why_dead(self, holder: dict) -> str | None:
         """Why the holder is no longer running, or None while it may be."""
+        mine = _slurm_attempt()
+        if mine and holder.get("slurm_job_id") == mine["slurm_job_id"]:
+            if holder.get("slurm_restart_count", -1) < mine["slurm_restart_count"]:
+                return f"it was attempt {holder.get('slurm_restart_count')} of this Slurm job {mine['slurm_job_id']}"
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             return None if _pid_alive(holder["pid"]) else f"its pid {holder['pid']} is gone"
         if holder["age_s"] > self.stale_after_s:
@@ -115,6 +122,14 @@ class RunLock:
 
         self._beat = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
         self._beat.start()
+
+
+def _slurm_attempt() -> dict:
+    """This process's Slurm job id and restart count ({} outside Slurm)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return {}
+    return {"slurm_job_id": job_id, "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
 
 
 def _is_me(holder: dict) -> bool:

@@ -18,9 +18,9 @@ from dapo_mcore.utils.run_lock import RunLock, lock_path
 from tests.conftest import REPO
 
 
-def write_lock(run_dir: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
+def write_lock(run_dir: Path, host: str, pid: int, age_s: float = 0.0, **slurm) -> Path:
     path = lock_path(run_dir)
-    path.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01 00:00:00"}))
+    path.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01 00:00:00", **slurm}))
     then = time.time() - age_s
     os.utime(path, (then, then))
     return path
@@ -63,6 +63,24 @@ def test_another_hosts_lock_is_taken_over_only_when_its_heartbeat_is_stale(tmp_p
     lock = RunLock(tmp_path / "run", stale_after_s=300)
     lock.acquire()
     assert "heartbeat is 301 s old" in caplog.text
+    lock.release()
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock_at_once(tmp_path, caplog, monkeypatch):
+    # the earlier attempt ran on another node a moment ago (fresh heartbeat): only the job id tells it is over
+    write_lock(tmp_path / "run", "node-17", 4242, age_s=5, slurm_job_id="812", slurm_restart_count=0)
+    monkeypatch.setenv("SLURM_JOB_ID", "813")  # another job: refused
+    with pytest.raises(RunLockError, match="pid 4242 on host node-17"):
+        RunLock(tmp_path / "run").acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "812")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # the same attempt (a second srun in one job): refused
+    with pytest.raises(RunLockError, match="pid 4242 on host node-17"):
+        RunLock(tmp_path / "run").acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    assert "it was attempt 0 of this Slurm job 812" in caplog.text
+    assert json.loads(lock_path(tmp_path / "run").read_text())["slurm_restart_count"] == 1
     lock.release()
 
 

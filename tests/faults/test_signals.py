@@ -1,9 +1,12 @@
-"""SIGINT and SIGTERM end a run with one line and exit codes 130 / 143, no traceback, and no process of the run
-survives them; after a SIGKILL of the run none survives either (workers get the parent-death signal)."""
+"""Signals end a run with one line, no traceback, the lock released and no process of the run left: SIGINT at
+once (exit 130); SIGTERM / SIGUSR1 after saving at the next step boundary (exit 75), or at once (143) when the
+step does not end within checkpoint.sigterm_grace_s, at a second SIGTERM, or with checkpoint.save_on_signal=
+false. After a SIGKILL of the run no process of it survives either (workers get the parent-death signal)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,14 +16,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO
+from tests.e2e.test_train_cli import read_rows
 
 
-def start(run_dir: Path) -> subprocess.Popen:
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=500",
            "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
            "trainer.micro_batch_size=16", "checkpoint.save_interval=1", "logging.wandb.mode=disabled",
-           "logging.progress=false", f"logging.run_dir={run_dir}"]  # fmt: skip
+           "logging.progress=false", f"logging.run_dir={run_dir}", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -41,18 +46,47 @@ def gone(processes: list[psutil.Process], within_s: float = 15.0) -> list[psutil
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_a_signal_ends_the_run_with_one_line_its_exit_code_and_no_child_left(tmp_path, sig, code, name):
-    proc = start(tmp_path / "run")
-    children = wait_for_training(proc, tmp_path / "run")
-    assert children, "the run should have worker processes (verifier workers at least)"
+def stopped(proc: subprocess.Popen, sig: int, code: int, children: list[psutil.Process], run_dir: Path) -> str:
+    """Send `sig`; check the exit code, no traceback, no child left, the lock released; returns the last line."""
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(f"dapo-mcore: stopped by {name}; every complete save is kept")
     assert gone(children) == []
-    assert not (tmp_path / ".run.lock").exists()  # the run-directory lock was released
+    assert not run_dir.with_name(f".{run_dir.name}.lock").exists()  # the run-directory lock was released
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("sig", "extra", "code", "name"),
+    [
+        (signal.SIGINT, [], 130, "SIGINT"),
+        (signal.SIGTERM, ["checkpoint.sigterm_grace_s=0"], 143, "SIGTERM"),  # no time for the step to end
+        (signal.SIGTERM, ["checkpoint.save_on_signal=false"], 143, "SIGTERM"),
+        (signal.SIGUSR1, ["checkpoint.save_on_signal=false"], 143, "SIGUSR1"),
+    ],
+)
+def test_a_signal_that_stops_at_once_ends_with_one_line_its_exit_code_and_no_child_left(
+    tmp_path, sig, extra, code, name
+):
+    proc = start(tmp_path / "run", *extra)
+    children = wait_for_training(proc, tmp_path / "run")
+    assert children, "the run should have worker processes (verifier workers at least)"
+    line = stopped(proc, sig, code, children, tmp_path / "run")
+    assert line.startswith(f"dapo-mcore: stopped by {name}; every complete save is kept")
+
+
+@pytest.mark.parametrize(("sig", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1")])
+def test_sigterm_and_sigusr1_save_at_the_step_boundary_and_exit_75(tmp_path, sig, name):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "checkpoint.save_interval=1000")  # no periodic save: the stop's save is the only one
+    children = wait_for_training(proc, run_dir)
+    line = stopped(proc, sig, 75, children, run_dir)
+    match = re.fullmatch(rf"dapo-mcore: stopped by {name} before step (\d+); saved to (\S+); run the same .*", line)
+    assert match, line
+    next_step, save = int(match.group(1)), Path(match.group(2))
+    assert save.name == f"step_{next_step:06d}" and len(read_rows(run_dir)) == next_step
+    verify_complete(save, checksums=True)
 
 
 def test_after_a_sigkill_no_process_of_the_run_is_left(tmp_path):

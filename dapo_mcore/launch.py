@@ -1,0 +1,238 @@
+"""What a long run needs from its launcher: stopping cleanly at a step boundary on a signal, and the preflight.
+
+Preflight. Before any model is allocated, every task checks that the layout divides the tasks, that it has
+its GPU, that model, data and checkpoint directory are there (readable / writable) on its node, that an
+all-reduce across every rank completes, and that a save of this model fits the checkpoint directory's free
+space. The problems of all ranks are gathered and printed by rank 0, one line each, and every rank exits 2.
+
+Stopping. Slurm warns a job before its time limit with SIGUSR1 (`sbatch --signal=B:USR1@N`, forwarded to every
+task by slurm/train.sbatch); preemption and `scancel` send SIGTERM, then SIGKILL KillWait seconds later
+(30 s by default). On either signal the handler only records it; the trainer asks every rank at the next
+step boundary (`agreed_stop`), so all ranks stop after the same step, saves there and raises `StoppedToResume`,
+which the CLI turns into exit code 75 (EX_TEMPFAIL: "saved, run me again"). The batch script re-queues the
+job on that code, and the re-queued job resumes from the save. After SIGTERM the step has
+`checkpoint.sigterm_grace_s` seconds to reach its boundary; after that (or at a second SIGTERM) the run
+unwinds at once as before (`Terminated`, exit 143), keeping every complete save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.processes import Terminated
+
+RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
+
+
+class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
+    """The run stopped after a signal at a step boundary; `saved` holds everything up to `next_step`."""
+
+    def __init__(self, reason: str, next_step: int, saved: Path | None):
+        self.reason, self.next_step, self.saved = reason, next_step, saved
+        where = f"saved to {saved}" if saved is not None else "nothing trained since the newest save"
+        super().__init__(f"stopped by {reason} before step {next_step}; {where}")
+
+
+@dataclass
+class _StopState:
+    reason: str | None = None  # "SIGUSR1" / "SIGTERM" once one arrived
+    save_on_signal: bool = True
+    sigterm_grace_s: float = 20.0
+
+
+_state = _StopState()
+
+
+def install_stop_handlers() -> None:
+    """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary."""
+    _state.reason = None
+    signal.signal(signal.SIGUSR1, _on_usr1)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGALRM, _on_grace_over)
+
+
+def configure_stop(save_on_signal: bool, sigterm_grace_s: float) -> None:
+    _state.save_on_signal, _state.sigterm_grace_s = save_on_signal, sigterm_grace_s
+
+
+def requested_stop() -> str | None:
+    """The signal this process was asked to stop by, if any (this rank only)."""
+    return _state.reason
+
+
+def agreed_stop() -> str | None:
+    """Collective: the stop any rank was asked for, the same on every rank (a signal may reach the ranks at
+    slightly different times; all of them must stop after the same step)."""
+    from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
+
+    reasons = [r for r in all_gather_objects(_state.reason) if r is not None]
+    return "SIGTERM" if "SIGTERM" in reasons else (reasons[0] if reasons else None)
+
+
+def cancel_grace() -> None:
+    """At the boundary: the save that follows is not cut short by the grace timer (Slurm's SIGKILL may still
+    cut it; a partial save is never taken for a complete one and is removed at the next start)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _on_usr1(signum, frame) -> None:
+    if not _state.save_on_signal:
+        _terminate("SIGUSR1")
+    if _state.reason is None:
+        _state.reason = "SIGUSR1"
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _state.reason == "SIGTERM" or not _state.save_on_signal:
+        _terminate("SIGTERM")  # a second SIGTERM: the user means now
+    _state.reason = "SIGTERM"
+    signal.setitimer(signal.ITIMER_REAL, max(_state.sigterm_grace_s, 1e-3))
+
+
+def _on_grace_over(signum, frame) -> None:
+    _terminate("SIGTERM")
+
+
+def _terminate(name: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_IGN)  # one unwinding at a time
+    raise Terminated(name)
+
+
+# --- Preflight: what would otherwise fail hours into a job, checked before any model allocation ---------------
+
+
+class PreflightError(DapoError):
+    """A check before training failed; the message has one line per problem."""
+
+    same_on_every_rank = False  # a missing mount or GPU may be one node's alone
+
+
+def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int) -> None:
+    """Before the process group: the layout divides the tasks and this task has its GPU (the same verdict on
+    every task of a node, so no task waits for one that stopped)."""
+    from dapo_mcore.parallel import check_layout  # here: the CLI imports this module before torch is needed
+
+    check_layout(world_size, tp, pp, vpp)
+    if device == "cpu":
+        return
+    import torch
+
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if device == "cuda" and visible == 0:
+        raise PreflightError(f"parallel.device=cuda but no GPU is visible on {socket.gethostname()}")
+    if visible and local_rank >= visible:
+        raise PreflightError(
+            f"task LOCAL_RANK={local_rank} on {socket.gethostname()} has no GPU: {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {visible} "
+            "tasks per node (sbatch --ntasks-per-node) or make every GPU visible to every task"
+        )
+
+
+def path_problems(
+    model_path: str, init: str, mcore_path: str, data_files: list[str], checkpoint_dir: Path
+) -> list[str]:
+    """What this task cannot read or write: model, data, the checkpoint directory (one line each)."""
+    problems = []
+    model = Path(model_path)
+    if not os.access(model / "config.json", os.R_OK):
+        problems.append(f"model.hf_path {model}: no readable config.json")
+    elif init == "hf" and not any(os.access(p, os.R_OK) for p in model.glob("*.safetensors")):
+        problems.append(f"model.hf_path {model}: no readable *.safetensors weights (model.init=hf)")
+    if init == "mcore" and not os.access(Path(mcore_path), os.R_OK):
+        problems.append(f"model.mcore_path {mcore_path}: not readable")
+    problems += [f"data file {f}: not a readable file" for f in data_files if not _readable_file(Path(f))]
+    problem = _write_problem(checkpoint_dir)
+    if problem:
+        problems.append(f"checkpoint directory {checkpoint_dir}: {problem}")
+    return problems
+
+
+def room_problem(checkpoint_dir: Path, save_bytes: int) -> str | None:
+    """A first save must fit: the free space at the checkpoint directory against the save's estimated size."""
+    free = shutil.disk_usage(_existing_ancestor(checkpoint_dir)).free
+    if free >= save_bytes:
+        return None
+    return (
+        f"checkpoint directory {checkpoint_dir}: {free / 2**30:.1f} GiB free, a save of this model needs about "
+        f"{save_bytes / 2**30:.1f} GiB (weights + Adam state); free space or set checkpoint.dir elsewhere"
+    )
+
+
+def raise_shared(problems: list[str]) -> None:
+    """Collective: every rank raises PreflightError listing the problems of all ranks (with their hosts), or
+    none does. Rank 0 prints it; a node-local problem names the ranks that have it."""
+    from dapo_mcore.parallel import all_gather_objects
+
+    seen: dict[str, list[int]] = {}
+    for rank, found in enumerate(all_gather_objects((socket.gethostname(), problems))):
+        host, lines = found
+        for line in lines:
+            seen.setdefault(f"{line} (on {host})", []).append(rank)
+    if seen:
+        err = PreflightError(
+            "preflight found problems before training:\n"
+            + "\n".join(f"  {line}, rank{'s' if len(r) > 1 else ''} {_ranks(r)}" for line, r in seen.items())
+        )
+        err.same_on_every_rank = True
+        raise err
+
+
+def check_all_reduce(device: Any, timeout_s: float) -> str:
+    """Collective: an all-reduce across every rank completes within `timeout_s` and sums right (a broken
+    fabric or NCCL setting fails here, not in the first update); returns a line for the log."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    numel = (64 << 20) // 4 if device.type == "cuda" else (1 << 20) // 4  # 64 MiB on a GPU: the real data path
+    payload = torch.ones(numel, dtype=torch.float32, device=device)
+    start = time.perf_counter()
+    work = dist.all_reduce(payload, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise PreflightError(f"an all-reduce across {world} ranks did not end in {timeout_s:.0f} s: {err}") from None
+    took = time.perf_counter() - start
+    if not torch.all(payload == world):
+        raise PreflightError(f"an all-reduce across {world} ranks summed wrong ({payload[0].item()} != {world})")
+    bus = 2 * (world - 1) / world * payload.numel() * 4 / max(took, 1e-9) / 1e9
+    mib = payload.numel() * 4 >> 20
+    return f"all-reduce of {mib} MiB across {world} ranks: {took * 1e3:.1f} ms ({bus:.1f} GB/s bus)"
+
+
+def _readable_file(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.R_OK)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _write_problem(directory: Path) -> str | None:
+    """Why a file cannot be written in `directory` (created if missing), or None. A real write, since
+    permissions say nothing for root and a read-only mount says nothing in its permissions."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".preflight-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        return f"cannot write there ({err.strerror or err})"
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"

@@ -1,0 +1,66 @@
+"""The stop handlers of dapo_mcore.launch, in this process: a signal only records a stop request, the grace
+after SIGTERM ends in Terminated, and a second SIGTERM ends the run at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from dapo_mcore import launch
+from dapo_mcore.utils.processes import Terminated
+
+
+@pytest.fixture
+def handlers():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)}
+    launch.install_stop_handlers()
+    launch.configure_stop(save_on_signal=True, sigterm_grace_s=20.0)
+    yield
+    launch.cancel_grace()
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_sigusr1_only_records_a_stop_request(handlers):
+    assert launch.requested_stop() is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    assert launch.requested_stop() == "SIGUSR1"
+
+
+def test_a_second_sigterm_raises_terminated_at_once(handlers):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+    assert launch.requested_stop() == "SIGTERM"
+    with pytest.raises(Terminated):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+
+
+def test_sigterm_raises_terminated_when_its_grace_is_over(handlers):
+    launch.configure_stop(save_on_signal=True, sigterm_grace_s=0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    start = time.monotonic()
+    with pytest.raises(Terminated) as stop:
+        time.sleep(5.0)
+    assert 0.15 < time.monotonic() - start < 2.0 and stop.value.signal_name == "SIGTERM"
+
+
+def test_cancelled_grace_lets_the_save_finish(handlers):
+    launch.configure_stop(save_on_signal=True, sigterm_grace_s=0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.01)
+    launch.cancel_grace()  # the trainer reached the step boundary
+    time.sleep(0.5)
+    assert launch.requested_stop() == "SIGTERM"
+
+
+def test_with_save_on_signal_off_sigusr1_stops_at_once(handlers):
+    launch.configure_stop(save_on_signal=False, sigterm_grace_s=20.0)
+    with pytest.raises(Terminated) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1.0)
+    assert stop.value.signal_name == "SIGUSR1"
