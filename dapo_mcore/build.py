@@ -24,6 +24,7 @@ from dapo_mcore.config.validate import eval_file_list, run_dir_of
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import Prompt
+from dapo_mcore.launch import check_all_reduce, check_this_task, path_problems, raise_shared, room_problem
 from dapo_mcore.mcore.actor import (
     ActorSettings,
     MegatronActor,
@@ -40,6 +41,7 @@ from dapo_mcore.mcore.provider import (
     load_hf_config,
     read_model_spec,
     resolve_transformer_impl,
+    save_bytes_estimate,
 )
 from dapo_mcore.parallel import (
     ParallelContext,
@@ -107,17 +109,19 @@ class Resume:
 def build_run(cfg: RunConfig) -> Run:
     setup_logging(int(os.environ.get("RANK", "0")))
     validate(cfg)
-    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
     par = cfg.parallel
     tp, pp, vpp = (
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         par.virtual_pipeline_model_parallel_size,
     )
-    check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
+    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)  # before any group
+    # reported once every rank joined the group, so that a problem of one node stops all ranks alike
+    problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
     lock = None
     try:
+        spec = preflight(cfg, ctx, problems)
         lock = take_run_lock(run_dir_of(cfg), ctx, cfg.logging.lock_stale_after_s)  # before the directory is touched
         return build_pieces(cfg, ctx, spec, lock)
     except BaseException:
@@ -125,6 +129,26 @@ def build_run(cfg: RunConfig) -> Run:
             lock.release()
         destroy_parallel()  # a failed start (bad checkpoint, engine that would not start) leaves no group behind
         raise
+
+
+def preflight(cfg: RunConfig, ctx: ParallelContext, path_problems_here: list[str]) -> ModelSpec:
+    """Before any model allocation: every rank's path problems, the model against the layout, room for a save,
+    an all-reduce across every rank (collective; the same error on every rank)."""
+    raise_shared(path_problems_here)
+    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
+    par = cfg.parallel
+    check_model_layout(spec, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                       par.virtual_pipeline_model_parallel_size)  # fmt: skip
+    room = None
+    if cfg.checkpoint.save_interval > 0:
+        room = room_problem(checkpoint_dir_of(cfg), save_bytes_estimate(spec, cfg.model.dtype))
+    raise_shared([room] if room else [])
+    log.info("preflight passed: %s", check_all_reduce(ctx.device, par.preflight_timeout_s))
+    return spec
+
+
+def checkpoint_dir_of(cfg: RunConfig) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
 
 
 def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> RunLock | None:
@@ -145,7 +169,7 @@ def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> 
 def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: RunLock | None) -> Run:
     run_dir = run_dir_of(cfg)
     checkpoints = CheckpointManager(
-        cfg.checkpoint.dir or run_dir / "checkpoints",
+        checkpoint_dir_of(cfg),
         ctx,
         cfg.checkpoint.keep_last,
         hf_assets_from=cfg.model.hf_path,

@@ -1,7 +1,7 @@
 """What a long run needs from its launcher: stopping cleanly at a step boundary on a signal, and the preflight.
 
 Preflight. Before any model is allocated, every task checks that the layout divides the tasks, that it has
-its GPU, that model, data and checkpoint directory are there (readable / writable) on its node, that an
+its GPU, that the model's weights are readable and the checkpoint directory writable on its node, that an
 all-reduce across every rank completes, and that a save of this model fits the checkpoint directory's free
 space. The problems of all ranks are gathered and printed by rank 0, one line each, and every rank exits 2.
 
@@ -138,19 +138,13 @@ def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int) ->
         )
 
 
-def path_problems(
-    model_path: str, init: str, mcore_path: str, data_files: list[str], checkpoint_dir: Path
-) -> list[str]:
-    """What this task cannot read or write: model, data, the checkpoint directory (one line each)."""
+def path_problems(model_path: str, init: str, checkpoint_dir: Path) -> list[str]:
+    """What this task cannot read or write (one line each): the model's weights and the checkpoint directory.
+    (Config files, data files and checkpoint paths named in the config are checked by config.validate.)"""
     problems = []
     model = Path(model_path)
-    if not os.access(model / "config.json", os.R_OK):
-        problems.append(f"model.hf_path {model}: no readable config.json")
-    elif init == "hf" and not any(os.access(p, os.R_OK) for p in model.glob("*.safetensors")):
+    if init == "hf" and not any(os.access(p, os.R_OK) for p in model.glob("*.safetensors")):
         problems.append(f"model.hf_path {model}: no readable *.safetensors weights (model.init=hf)")
-    if init == "mcore" and not os.access(Path(mcore_path), os.R_OK):
-        problems.append(f"model.mcore_path {mcore_path}: not readable")
-    problems += [f"data file {f}: not a readable file" for f in data_files if not _readable_file(Path(f))]
     problem = _write_problem(checkpoint_dir)
     if problem:
         problems.append(f"checkpoint directory {checkpoint_dir}: {problem}")
@@ -163,8 +157,8 @@ def room_problem(checkpoint_dir: Path, save_bytes: int) -> str | None:
     if free >= save_bytes:
         return None
     return (
-        f"checkpoint directory {checkpoint_dir}: {free / 2**30:.1f} GiB free, a save of this model needs about "
-        f"{save_bytes / 2**30:.1f} GiB (weights + Adam state); free space or set checkpoint.dir elsewhere"
+        f"checkpoint directory {checkpoint_dir}: {_size(free)} free, a save of this model needs about "
+        f"{_size(save_bytes)} (weights + Adam state); free space or set checkpoint.dir elsewhere"
     )
 
 
@@ -173,15 +167,13 @@ def raise_shared(problems: list[str]) -> None:
     none does. Rank 0 prints it; a node-local problem names the ranks that have it."""
     from dapo_mcore.parallel import all_gather_objects
 
-    seen: dict[str, list[int]] = {}
-    for rank, found in enumerate(all_gather_objects((socket.gethostname(), problems))):
-        host, lines = found
+    seen: dict[str, list[tuple[int, str]]] = {}  # problem -> the ranks (and their hosts) that have it
+    for rank, (host, lines) in enumerate(all_gather_objects((socket.gethostname(), problems))):
         for line in lines:
-            seen.setdefault(f"{line} (on {host})", []).append(rank)
+            seen.setdefault(line, []).append((rank, host))
     if seen:
         err = PreflightError(
-            "preflight found problems before training:\n"
-            + "\n".join(f"  {line}, rank{'s' if len(r) > 1 else ''} {_ranks(r)}" for line, r in seen.items())
+            "preflight found problems before training:\n" + "\n".join(f"  {p} ({_where(w)})" for p, w in seen.items())
         )
         err.same_on_every_rank = True
         raise err
@@ -210,10 +202,6 @@ def check_all_reduce(device: Any, timeout_s: float) -> str:
     return f"all-reduce of {mib} MiB across {world} ranks: {took * 1e3:.1f} ms ({bus:.1f} GB/s bus)"
 
 
-def _readable_file(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.R_OK)
-
-
 def _existing_ancestor(path: Path) -> Path:
     path = path.absolute()
     while not path.exists():
@@ -222,17 +210,25 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _write_problem(directory: Path) -> str | None:
-    """Why a file cannot be written in `directory` (created if missing), or None. A real write, since
-    permissions say nothing for root and a read-only mount says nothing in its permissions."""
+    """Why files cannot be written in `directory`, or None: a real write in it, or in the nearest existing
+    directory above it (nothing is created before the run takes its lock), since permissions say nothing for
+    root and a read-only mount says nothing in its permissions."""
+    where = _existing_ancestor(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".preflight-{socket.gethostname()}-{os.getpid()}"
+        probe = where / f".preflight-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        return f"cannot write there ({err.strerror or err})"
+        return f"cannot write in {where} ({err.strerror or err})"
     return None
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def _where(ranks_hosts: list[tuple[int, str]]) -> str:
+    ranks = [rank for rank, _ in ranks_hosts]
+    hosts = sorted({host for _, host in ranks_hosts})
+    listed = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]}, {len(ranks)} in all"
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed} on {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}"

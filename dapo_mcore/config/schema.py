@@ -58,6 +58,9 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Minutes a collective may wait before the process group gives up (catches hangs instead of sleeping).
     timeout_minutes: int = 30
+    # The preflight's all-reduce across every rank must end within this many seconds (a broken fabric or
+    # NCCL setting fails there, before the model is built).
+    preflight_timeout_s: float = 300.0
 
 
 @dataclass

@@ -93,9 +93,9 @@ class RunLock:
     def _why_dead(self, holder: dict) -> str | None:
         """Why the holder is no longer running, or None while it may be."""
         mine = _slurm_attempt()
-        if mine and holder.get("slurm_job_id") == mine["slurm_job_id"]:
-            if holder.get("slurm_restart_count", -1) < mine["slurm_restart_count"]:
-                return f"it was attempt {holder.get('slurm_restart_count')} of this Slurm job {mine['slurm_job_id']}"
+        same_job = bool(mine) and holder.get("slurm_job_id") == mine["slurm_job_id"]
+        if same_job and holder.get("slurm_restart_count", -1) < mine["slurm_restart_count"]:
+            return f"it was attempt {holder.get('slurm_restart_count')} of this Slurm job {mine['slurm_job_id']}"
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             return None if _pid_alive(holder["pid"]) else f"its pid {holder['pid']} is gone"
         if holder["age_s"] > self.stale_after_s:

@@ -38,7 +38,8 @@ def args(run_dir: Path, ckpt_dir: Path, *extra: str) -> list[str]:
 
 
 def test_a_save_that_fails_mid_write_leaves_no_partial_directory(small_disk, tmp_path):
-    disk, run_dir = small_disk("1m"), tmp_path / "run"  # a save of the demo model takes about 2.3 MiB
+    # a save of the demo model takes 2.3 MiB; the preflight's estimate (weights + Adam state) is 2.08 MiB
+    disk, run_dir = small_disk("2200k"), tmp_path / "run"
     proc = cli(*args(run_dir, disk), expect=2)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"dapo-mcore: error: saving checkpoint {disk}/step_000002 failed: rank 0: ")
@@ -60,3 +61,10 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_the_earlier_one_re
     resumed = cli(*args(run_dir, disk, "checkpoint.resume=auto", "checkpoint.save_interval=0"))
     assert "step_000002 at step 2" in resumed.stderr
     assert [r["step"] for r in read_rows(run_dir)] == [0, 1, 2, 3]
+
+
+def test_the_preflight_refuses_a_checkpoint_directory_without_room_for_one_save(small_disk, tmp_path):
+    disk, run_dir = small_disk("1m"), tmp_path / "run"
+    proc = cli(*args(run_dir, disk / "ckpt"), expect=2)
+    assert f"checkpoint directory {disk}/ckpt: 1.0 MiB free, a save of this model needs about 2.1 MiB" in proc.stderr
+    assert not run_dir.exists() and list(disk.iterdir()) == []  # refused before anything was created
