@@ -5,9 +5,10 @@ its GPU, that the model's weights are readable and the checkpoint directory writ
 all-reduce across every rank completes, and that a save of this model fits the checkpoint directory's free
 space. The problems of all ranks are gathered and printed by rank 0, one line each, and every rank exits 2.
 
-Stopping. Slurm warns a job before its time limit with SIGUSR1 (`sbatch --signal=B:USR1@N`, forwarded to every
-task by slurm/train.sbatch); preemption and `scancel` send SIGTERM, then SIGKILL KillWait seconds later
-(30 s by default). On either signal the handler only records it; the trainer asks every rank at the next
+Stopping. Slurm warns a job before its time limit with SIGUSR1 to the batch script (`sbatch
+--signal=B:USR1@N`), which creates the file named by DAPO_STOP_FILE; SIGUSR1 sent to the run itself (torchrun,
+by hand) does the same. Preemption and `scancel` send SIGTERM, then SIGKILL KillWait seconds later (30 s by
+default). A handler only records the signal; the trainer asks every rank at the next
 step boundary (`agreed_stop`), so all ranks stop after the same step, saves there and raises `StoppedToResume`,
 which the CLI turns into exit code 75 (EX_TEMPFAIL: "saved, run me again"). The batch script re-queues the
 job on that code, and the re-queued job resumes from the save. After SIGTERM the step has
@@ -30,6 +31,10 @@ from typing import Any
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.processes import Terminated
 
+# slurm/train.sbatch creates this file when Slurm warns of the time limit. A file, not a signal passed on to
+# the tasks: Slurm signals every process of a job step, and the engine's or the verifiers' worker processes
+# would die of a SIGUSR1 they do not handle.
+STOP_FILE_ENV = "DAPO_STOP_FILE"
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
 
 
@@ -65,7 +70,11 @@ def configure_stop(save_on_signal: bool, sigterm_grace_s: float) -> None:
 
 
 def requested_stop() -> str | None:
-    """The signal this process was asked to stop by, if any (this rank only)."""
+    """Why this rank was asked to stop, if it was: a signal, or the stop file named by DAPO_STOP_FILE."""
+    if _state.reason is None:
+        stop_file = os.environ.get(STOP_FILE_ENV)
+        if stop_file and os.path.exists(stop_file):
+            return "Slurm's time-limit warning"
     return _state.reason
 
 
@@ -74,7 +83,7 @@ def agreed_stop() -> str | None:
     slightly different times; all of them must stop after the same step)."""
     from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
 
-    reasons = [r for r in all_gather_objects(_state.reason) if r is not None]
+    reasons = [r for r in all_gather_objects(requested_stop()) if r is not None]
     return "SIGTERM" if "SIGTERM" in reasons else (reasons[0] if reasons else None)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TIERS = ("unit", "dist", "gpu", "e2e", "engines", "faults")
+TIERS = ("unit", "dist", "gpu", "e2e", "engines", "faults", "slurm")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -71,4 +71,6 @@ def test_a_read_only_checkpoint_directory_is_refused(tmp_path):
         proc = cli(*args(tmp_path / "run", f"checkpoint.dir={disk}/ckpt", "checkpoint.save_interval=1"), expect=2)
     finally:
         subprocess.run(["umount", str(disk)], check=False)
-    assert f"checkpoint directory {disk}/ckpt: cannot write in {disk} (Read-only file system) (rank 0 on " in proc.stderr
+    assert (
+        f"checkpoint directory {disk}/ckpt: cannot write in {disk} (Read-only file system) (rank 0 on " in proc.stderr
+    )

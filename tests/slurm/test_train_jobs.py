@@ -1,0 +1,96 @@
+"""slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): the CPU demo
+recipe with 2 tasks runs to the end; with a time limit shorter than the run, the job saves at the warning,
+re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+
+# The demo recipe at DP=2 trains about 0.65 s a step here: 110 steps (about 70 s) do not fit in one attempt of a
+# 2-minute job warned 50 s ahead. Slurm's timer ticks every 30 s and warns 0-30 s early (tests/slurm/cluster.py):
+# the warning comes 40-70 s into an attempt, about 15 s of which go to start-up.
+STEPS = 110
+TIME_LIMIT = ["--time=2", "--signal=B:USR1@50"]
+RECIPE = [
+    "examples/smoke_cpu.yaml",
+    f"trainer.steps={STEPS}",
+    "checkpoint.save_interval=0",  # no periodic save: only the time-limit warning saves
+    "logging.wandb.mode=disabled",
+    "logging.progress=false",
+]
+# On this 2-core node: 2 tasks of 1 CPU, no GPU (the script's #SBATCH defaults are for 8-GPU nodes).
+CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
+
+
+def submit(cluster, tmp_path: Path, name: str, *options: str) -> tuple[int, Path]:
+    run_dir = tmp_path / name
+    env = {"DAPO_PYTHON": sys.executable, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port()),
+           "PYTHONWARNINGS": "ignore"}  # fmt: skip
+    job_id = cluster.submit(
+        REPO / "slurm/train.sbatch",
+        *RECIPE,
+        f"logging.run_dir={run_dir}",
+        sbatch_options=[*CPU_NODE, f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out", *options],
+        env=env,
+        cwd=REPO,
+    )
+    return job_id, run_dir
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timings(table: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))} for row in table]
+
+
+def job_output(tmp_path: Path, name: str, job_id: int) -> str:
+    return (tmp_path / f"{name}-{job_id}.out").read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster, tmp_path_factory) -> Path:
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    job_id, run_dir = submit(slurm_cluster, tmp_path, "whole")
+    record = slurm_cluster.wait(job_id, timeout=600)
+    out = job_output(tmp_path, "whole", job_id)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
+    assert record["Restarts"] == "0"
+    return run_dir
+
+
+def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninterrupted):
+    table = rows(uninterrupted)
+    assert [row["step"] for row in table] == list(range(STEPS))
+    logs = sorted(p.name for p in (uninterrupted.parent / "logs").glob("whole-*/*.log"))
+    assert logs == ["attempt-0-task-0.log", "attempt-0-task-1.log"]  # one log per task
+    task0 = next((uninterrupted.parent / "logs").glob("whole-*/attempt-0-task-0.log")).read_text()
+    assert "world=2 = TP 1 x PP 1 x DP 2" in task0 and "preflight passed" in task0
+
+
+def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics(
+    slurm_cluster, tmp_path, uninterrupted
+):
+    job_id, run_dir = submit(slurm_cluster, tmp_path, "limited", *TIME_LIMIT)
+    record = slurm_cluster.wait(job_id, timeout=900)
+    out = job_output(tmp_path, "limited", job_id)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
+    restarts = int(record["Restarts"])
+    assert restarts >= 1, out  # the run is longer than one attempt's minute
+    assert out.count("saved before the time limit: re-queueing") == restarts
+    # every step ran exactly once, in order: none trained twice (nothing rolled back), none skipped
+    assert [row["step"] for row in rows(run_dir)] == list(range(STEPS))
+    assert not (run_dir / "metrics.rolled_back.jsonl").exists()
+    assert without_timings(rows(run_dir)) == without_timings(rows(uninterrupted))
+    task0_logs = sorted((tmp_path / "logs").glob("limited-*/attempt-*-task-0.log"))
+    assert len(task0_logs) == restarts + 1
+    first = task0_logs[0].read_text()
+    assert "stopping before step" in first and "on Slurm's time-limit warning: saved to" in first
+    assert "resuming from" in task0_logs[1].read_text()
