@@ -64,3 +64,11 @@ def test_with_save_on_signal_off_sigusr1_stops_at_once(handlers):
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(1.0)
     assert stop.value.signal_name == "SIGUSR1"
+
+
+def test_the_stop_file_of_the_batch_script_is_a_stop_request(handlers, tmp_path, monkeypatch):
+    stop_file = tmp_path / "attempt-0.stop"
+    monkeypatch.setenv(launch.STOP_FILE_ENV, str(stop_file))
+    assert launch.requested_stop() is None
+    stop_file.touch()  # slurm/train.sbatch on Slurm's USR1
+    assert launch.requested_stop() == "Slurm's time-limit warning"
