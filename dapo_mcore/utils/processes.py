@@ -26,16 +26,20 @@ class Terminated(BaseException):
 
 
 def die_with_parent() -> None:
-    """In a worker process: be killed when the parent dies (Linux), and leave SIGINT to the parent, which
-    stops its workers itself (a Ctrl-C reaches the whole process group)."""
+    """In a worker process: be killed when the parent dies (Linux), and leave SIGINT and SIGTERM to the parent,
+    which ends its workers itself: a Ctrl-C reaches the whole process group, and Slurm's SIGTERM (scancel,
+    preemption, the time limit) every process of the job step, while the parent may still need its workers
+    to finish the step and save (dapo_mcore.launch)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def end_children(timeout_s: float = 5.0) -> int:
-    """Terminate (then kill) every process below this one; returns how many there were."""
+def end_children(timeout_s: float = 2.0) -> int:
+    """Terminate (then kill) every process below this one; returns how many there were. (Our own workers
+    ignore SIGTERM: they are killed after `timeout_s`.)"""
     import psutil
 
     children = psutil.Process().children(recursive=True)

@@ -5,11 +5,14 @@ re-queues itself, resumes from that save and ends with exactly the uninterrupted
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO, free_port
 
 # The demo recipe at DP=2 trains about 0.65 s a step here: 110 steps (about 70 s) do not fit in one attempt of a
@@ -94,3 +97,20 @@ def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics
     first = task0_logs[0].read_text()
     assert "stopping before step" in first and "on Slurm's time-limit warning: saved to" in first
     assert "resuming from" in task0_logs[1].read_text()
+
+
+def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
+    job_id, run_dir = submit(slurm_cluster, tmp_path, "cancelled")
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.monotonic() < deadline and slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")
+        time.sleep(0.2)
+    slurm_cluster.run("scancel", str(job_id))  # SIGTERM to every process of the job, SIGKILL 30 s later
+    record = slurm_cluster.wait(job_id, timeout=120)
+    assert record["JobState"] == "CANCELLED"
+    task0 = next((tmp_path / "logs").glob("cancelled-*/attempt-0-task-0.log")).read_text()
+    stopped = re.search(r"stopped by SIGTERM before step (\d+); saved to (\S+);", task0)
+    assert stopped, task0[-3000:]
+    next_step, save = int(stopped.group(1)), Path(stopped.group(2))
+    assert save.name == f"step_{next_step:06d}" and len(rows(run_dir)) == next_step
+    verify_complete(save, checksums=True)
