@@ -115,13 +115,15 @@ def build_run(cfg: RunConfig) -> Run:
         par.pipeline_model_parallel_size,
         par.virtual_pipeline_model_parallel_size,
     )
-    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)  # before any group
+    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
+    check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
+    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
     lock = None
     try:
-        spec = preflight(cfg, ctx, problems)
+        preflight(cfg, ctx, spec, problems)
         lock = take_run_lock(run_dir_of(cfg), ctx, cfg.logging.lock_stale_after_s)  # before the directory is touched
         return build_pieces(cfg, ctx, spec, lock)
     except BaseException:
@@ -131,20 +133,15 @@ def build_run(cfg: RunConfig) -> Run:
         raise
 
 
-def preflight(cfg: RunConfig, ctx: ParallelContext, path_problems_here: list[str]) -> ModelSpec:
-    """Before any model allocation: every rank's path problems, the model against the layout, room for a save,
-    an all-reduce across every rank (collective; the same error on every rank)."""
+def preflight(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, path_problems_here: list[str]) -> None:
+    """Before any model allocation: every rank's path problems, room for a save, an all-reduce across every
+    rank (collective; the same error on every rank)."""
     raise_shared(path_problems_here)
-    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
-    par = cfg.parallel
-    check_model_layout(spec, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                       par.virtual_pipeline_model_parallel_size)  # fmt: skip
     room = None
-    if cfg.checkpoint.save_interval > 0:
+    if cfg.checkpoint.save_interval > 0 or cfg.checkpoint.save_on_signal:  # a stop on a signal saves too
         room = room_problem(checkpoint_dir_of(cfg), save_bytes_estimate(spec, cfg.model.dtype))
     raise_shared([room] if room else [])
-    log.info("preflight passed: %s", check_all_reduce(ctx.device, par.preflight_timeout_s))
-    return spec
+    log.info("preflight passed: %s", check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
 
 
 def checkpoint_dir_of(cfg: RunConfig) -> Path:

@@ -5,6 +5,7 @@
     dapo-mcore keys                                          list every config key
     dapo-mcore eval MODEL --data FILE.jsonl [...]            avg@k / pass@k / maj@k of a model on prompt files
     dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
+    dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
 """
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="list every config key with its default")
     keys.set_defaults(func=_list_keys)
     _add_eval_parser(sub)
+    _add_plan_parser(sub)
     ckpt = sub.add_parser("checkpoint", help="check saves without loading them")
     ckpt_sub = ckpt.add_subparsers(required=True, metavar="ACTION")
     verify = ckpt_sub.add_parser("verify", help="sizes and CRC-32 of every file of a save, its saves, or a run's")
@@ -93,6 +95,22 @@ def _add_eval_parser(sub) -> None:
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--out", help="write the results as JSON here")
     cmd.set_defaults(func=_eval)
+
+
+def _add_plan_parser(sub) -> None:
+    cmd = sub.add_parser("plan", help="per-GPU memory of actor and engine for a config (no GPU needed)")
+    cmd.add_argument("config", help="recipe YAML (see examples/)")
+    cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    cmd.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
+    cmd.add_argument("--model-config", help="config.json or its directory, when model.hf_path has no weights yet")
+    cmd.add_argument("--gpus", type=int, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
+    cmd.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from dapo_mcore.plan import plan_command
+
+    return plan_command(args.config, args.overrides, args.gpu_gb, args.model_config, args.gpus)
 
 
 def _eval(args: argparse.Namespace) -> int:

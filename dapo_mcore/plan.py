@@ -1,0 +1,716 @@
+"""Per-GPU memory plan of a run (`dapo-mcore plan`): plain arithmetic over the resolved config and the model's
+config.json. It imports no torch, megatron, transformer_engine or engine package, so it runs on a laptop.
+
+Legend: t TP, p PP, v VPP, d DP, e engine TP, B bytes per element of model.dtype, h hidden, q = heads x
+head_dim, k = kv_heads x head_dim, f FFN width, a heads, s the padded length of a row, T tokens of a micro-batch.
+
+Per GPU, on the heaviest pipeline stage:
+- actor weights: the stage's parameters as Megatron-Core builds them (mcore/provider.py): the vocab-parallel
+  embedding (vocab padded to a multiple of 128 t) on the first stage, the output layer on the last (its own
+  copy there when tied embeddings meet PP > 1), L / p layers split over t, norms replicated; x B.
+- gradients: Megatron DDP's main-grad buffer, fp32 (mcore/actor.py: grad_reduce_in_fp32=True), 4 B for every
+  parameter of the stage, distributed optimizer or not.
+- optimizer: an fp32 master copy (bf16 / fp16 only: an fp32 model's optimizer steps the parameters themselves)
+  and Adam's exp_avg and exp_avg_sq, / d with the distributed optimizer; optimizer.cpu_offload keeps the
+  fraction optimizer.offload_fraction of it in host memory.
+- activations kept for backward, per token and layer, after Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models", sec. 4: 34 + 5 a s / h bytes x h for GPT-3), redone for no
+  dropout, RMSNorm, SwiGLU and GQA:
+      Transformer Engine layers (fused norm + linear, flash attention, fused SwiGLU; the GPU default):
+          B x (4h [/t with sequence parallelism] + (3q + 3k + 3f) / t)
+      Megatron's local layers (the CPU mode; counted from what autograd saves, checked by tools/bench_memory.py):
+          B x (6h [/t] + (4q + 5f + a s) / t)  -- unfused norms, K and V repeated to all heads, unfused SwiGLU,
+          and the softmax output a s: the s^2 term exists only where attention is not fused.
+  recompute=selective drops the a s term; recompute=full keeps B h [/t] per group of recompute_num_layers
+  layers. The first stage of 1F1B holds min(p, micro-batches) micro-batches of its L / p layers; the
+  interleaved schedule (p (v + 1) - 1) chunks of L / (p v) layers (Narayanan et al. 2021's 1 + (p-1)/(p v)).
+- peak transient: the larger of the log-prob head's backward on the last stage (mcore/fused_logprobs.py:
+  fp32 [chunk, V/t] buffers, its fp32 weight gradient [V/t, h], the response tokens' hidden states and their
+  fp32 gradient; without model.fused_logprobs, [T, V/t] logits) and one layer's backward (its gradients
+  B T (h + 3f/t), with recompute=full after its group is rebuilt).
+- engine: while generating, vLLM / SGLang take rollout.gpu_memory_utilization of the GPU for their weights
+  (/ e), workspace and KV cache; asleep (sleep_level 1, 2) they keep a residue; the weight push wakes the
+  weights beside the whole actor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from dapo_mcore.config import RunConfig, load_config, parse_override
+from dapo_mcore.utils.errors import ConfigError, LayoutError
+
+GIB = 1 << 30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Per GPU process: the CUDA context (~0.5 GiB on H100) and the NCCL communicators of the actor and the engine.
+_CUDA_CONTEXT_GIB = 1.5
+# The caching allocator's fragmentation, as a share of the memory that comes and goes with each micro-batch.
+_ALLOCATOR_SLACK = 0.10
+# What a sleeping vLLM / SGLang keeps (CUDA graph pools, sampler buffers): an assumption, not measured here.
+_ENGINE_ASLEEP_GIB = 1.5
+_CUDA_GRAPHS_GIB = 0.5
+# The engine's own defaults when the config leaves them to it (vLLM's max_num_batched_tokens, max_num_seqs).
+_ENGINE_BATCHED_TOKENS = 8192
+_ENGINE_MAX_SEQS = 1024
+_HF_ENGINE_ROWS = 256  # HFEngine's max_batch_rows
+_MICRO_BATCH_BYTES_PER_TOKEN = 6 * 4 + 3 * 8  # MicroBatch: six float [b, s] tensors and three long ones
+
+Kind = Literal["actor", "engine", "overhead"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture from a Llama / Qwen2 / Qwen3 config.json: the fields mcore/provider.py reads (that module
+    imports torch; tests/unit/test_plan.py checks the two agree)."""
+
+    model_type: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
+        try:
+            heads, model_type = hf["num_attention_heads"], hf.get("model_type", "")
+            return cls(
+                model_type=model_type,
+                vocab=hf["vocab_size"],
+                hidden=hf["hidden_size"],
+                layers=hf["num_hidden_layers"],
+                heads=heads,
+                kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                ffn=hf["intermediate_size"],
+                tied=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+                max_positions=hf.get("max_position_embeddings", 4096),
+            )
+        except KeyError as err:
+            raise ConfigError(f"config.json has no {err.args[0]!r}: not a Llama-style decoder config") from None
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def k(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self, tp: int) -> float:
+        """One layer on one TP rank: QKV (+ bias), output projection and SwiGLU split over TP; norms replicated."""
+        sharded = self.hidden * (self.q + 2 * self.k) + self.q * self.hidden + 3 * self.hidden * self.ffn
+        bias = self.q + 2 * self.k if self.qkv_bias else 0
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return (sharded + bias) / tp + norms
+
+    def vocab_rows(self, tp: int) -> int:
+        """Embedding rows per TP rank: Megatron pads the vocab to a multiple of 128 x TP."""
+        multiple = 128 * tp
+        return -(-self.vocab // multiple) * multiple // tp
+
+    def total_params(self) -> int:
+        """The unsharded model as its HF checkpoint holds it (what an engine loads)."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return round(self.layers * self.layer_params(1)) + embeddings + self.hidden
+
+    def kv_bytes_per_token(self, engine_tp: int, dtype_bytes: int) -> float:
+        """K and V of every layer, KV heads split over the engine's TP (replicated where TP exceeds them)."""
+        return 2 * self.layers * self.k / min(engine_tp, self.kv_heads) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    bytes: float
+    formula: str
+    kind: Kind = "actor"
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    lines: tuple[Line, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    def bytes_of(self, name: str) -> float:
+        return sum(line.bytes for line in self.lines if line.name == name)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    tokens: float  # one engine replica's KV cache, in tokens
+    sequence: int  # the longest prompt + response the engine must hold (rollout.max_model_len)
+    wanted: float  # tokens one generation round sends to each replica, every answer at full length
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    change: str
+    saves: float  # bytes off the peak
+    fits: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpu_bytes: float
+    gpus: int
+    layout: str
+    stage: str
+    phases: tuple[Phase, ...]
+    kv: KVCache | None
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[Suggestion, ...] = ()
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.total)
+
+    @property
+    def kv_fits(self) -> bool:
+        return self.kv is None or self.kv.tokens >= self.kv.sequence
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= self.gpu_bytes and self.kv_fits
+
+    def phase(self, name: str) -> Phase:
+        return next(phase for phase in self.phases if phase.name == name)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    gpus: int
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    engine_tp: int
+    on_gpu: bool
+    fused: bool  # Transformer Engine layers (fused attention); Megatron's local spec otherwise
+
+    @property
+    def replicas(self) -> int:
+        return self.gpus // self.engine_tp
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    sequence: int  # the longest prompt + response, padded as the actor pads it
+    prompt: int  # the longest prompt
+    micro_batch: int  # tokens of the largest micro-batch
+    micro_batches: int  # per DP rank and mini-batch, every sample at full length
+    response: int  # response tokens of the largest micro-batch: the rows of the log-prob head
+
+
+def plan_memory(cfg: RunConfig, model_config: dict[str, Any], gpu_gb: float, gpus: int | None = None) -> MemoryPlan:
+    """The per-GPU memory of `cfg` on `gpus` GPUs (default: default_gpus()) of `gpu_gb` GiB each, with what
+    to change when it does not fit."""
+    gpus = gpus or default_gpus()
+    plan = _plan(cfg, model_config, gpu_gb, gpus)
+    if plan.fits:
+        return plan
+    return replace(plan, suggestions=_suggestions(cfg, model_config, gpu_gb, gpus, plan))
+
+
+def default_gpus() -> int:
+    """The job's task count under torchrun or Slurm, else one 8-GPU node."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 8
+
+
+def stage_params(cfg: RunConfig, model_config: dict[str, Any], pp_rank: int = 0, gpus: int | None = None) -> float:
+    """Parameters one GPU of pipeline stage pp_rank holds: what the 'actor weights' line counts."""
+    shape = ModelShape.from_hf(model_config)
+    return _stage_params(shape, _layout(cfg, shape, gpus or default_gpus()), pp_rank)[0]
+
+
+def _plan(cfg: RunConfig, hf: dict[str, Any], gpu_gb: float, gpus: int) -> MemoryPlan:
+    shape = ModelShape.from_hf(hf)
+    lay = _layout(cfg, shape, gpus)
+    tokens = _tokens(cfg, shape, lay)
+    stages = [_plan_stage(cfg, shape, lay, tokens, gpu_gb, rank) for rank in sorted({0, lay.pp - 1})]
+    return max(stages, key=lambda plan: plan.peak.total)
+
+
+def _layout(cfg: RunConfig, shape: ModelShape, gpus: int) -> _Layout:
+    par, etp = cfg.parallel, cfg.rollout.engine_tp_size
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    vpp = par.virtual_pipeline_model_parallel_size
+    for what, count, size in (
+        ("attention heads", shape.heads, tp),
+        ("key/value heads", shape.kv_heads, tp),
+        ("FFN width", shape.ffn, tp),
+        ("layers", shape.layers, pp * vpp),
+        ("GPUs", gpus, tp * pp),
+        ("GPUs", gpus, etp),
+        ("attention heads", shape.heads, etp),
+    ):
+        if count % size:
+            raise LayoutError(
+                f"the {count} {what} do not split {size} ways (TP {tp}, PP {pp}, VPP {vpp}, engine TP {etp}, "
+                f"{gpus} GPUs)"
+            )
+    on_gpu = par.device != "cpu"  # "auto" plans for the GPUs a recipe is meant for
+    impl = cfg.model.transformer_impl
+    fused = impl == "transformer_engine" or (impl == "auto" and on_gpu)
+    return _Layout(gpus, tp, pp, vpp, gpus // (tp * pp), etp, on_gpu, fused)
+
+
+def _tokens(cfg: RunConfig, shape: ModelShape, lay: _Layout) -> _Tokens:
+    response = cfg.rollout.sampling.max_response_len
+    prompt = cfg.data.max_prompt_len or max(shape.max_positions - response, 1)
+    multiple = math.lcm(8, lay.tp) if cfg.parallel.sequence_parallel else 8  # the actor's padding
+    sequence = -(-(prompt + response) // multiple) * multiple
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    # A token budget packs rows up to it; a sample longer than the budget gets a micro-batch of its own.
+    rows = max(1, budget // sequence) if budget else cfg.trainer.micro_batch_size
+    micro_batch = max(budget, sequence) if budget else rows * sequence
+    per_rank = -(-cfg.trainer.mini_batch_size // lay.dp)
+    return _Tokens(sequence, prompt, micro_batch, -(-per_rank // rows), round(micro_batch * response / sequence))
+
+
+def _plan_stage(
+    cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, gpu_gb: float, pp_rank: int
+) -> MemoryPlan:
+    state = _actor_state_lines(cfg, shape, lay, pp_rank)
+    transient = _activation_lines(cfg, shape, lay, tokens, pp_rank)
+    engine = _EngineModel(cfg, shape, lay, tokens, gpu_gb)
+    overhead = _overhead_lines(lay, sum(line.bytes for line in transient))
+    generating = (*_resident_while_generating(cfg, state), *_cached_activations(cfg, lay, transient))
+    phases = (
+        Phase("generate", (*generating, *engine.awake(), *overhead)),
+        Phase("train", (*state.values(), *transient, *engine.asleep(), *overhead)),
+    )
+    if lay.on_gpu and engine.sharded:
+        pushing = (*state.values(), *_cached_activations(cfg, lay, transient, pushing=True))
+        phases += (Phase("weight push", (*pushing, *engine.receiving(), *overhead)),)
+    return MemoryPlan(
+        gpu_bytes=gpu_gb * GIB,
+        gpus=lay.gpus,
+        layout=_describe_layout(cfg, shape, lay, tokens),
+        stage="the only stage" if lay.pp == 1 else ("first stage" if pp_rank == 0 else "last stage"),
+        phases=phases,
+        kv=engine.kv_cache(),
+        notes=_notes(cfg, lay, tokens),
+    )
+
+
+# --- the actor ------------------------------------------------------------------------------------------------
+
+
+def _stage_params(shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
+    """Parameters on one TP rank of pipeline stage pp_rank, and what they are made of."""
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    layers, per_layer = shape.layers // lay.pp, shape.layer_params(lay.tp)
+    embedding = shape.vocab_rows(lay.tp) * shape.hidden
+    params, parts = layers * per_layer, [f"{layers} layers x {_count(per_layer)}"]
+    if first:
+        params, parts = params + embedding, [*parts, f"embedding {_count(embedding)}"]
+    if last and (not shape.tied or lay.pp > 1):  # tied + PP > 1: the last stage keeps a copy for its head
+        params, parts = params + embedding, [*parts, f"output layer {_count(embedding)}"]
+    if last:
+        params += shape.hidden  # the final norm
+    return params, " + ".join(parts)
+
+
+def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> dict[str, Line]:
+    b, opt = _DTYPE_BYTES[cfg.model.dtype], cfg.optimizer
+    params, parts = _stage_params(shape, lay, pp_rank)
+    p = f"{_count(params)} params"
+    dp = lay.dp if cfg.parallel.use_distributed_optimizer else 1
+    on_gpu = 1.0 - (opt.offload_fraction if opt.cpu_offload else 0.0)
+    shard = f"/ DP {dp}" + (f" x {on_gpu:g} left on the GPU (optimizer.cpu_offload)" if opt.cpu_offload else "")
+    master = 4 if b != 4 else 0
+    return {
+        "weights": Line("actor weights", params * b, f"{p} ({parts}; TP {lay.tp}) x {b} B"),
+        "grads": Line("actor gradients", params * 4, f"{p} x 4 B (DDP main grads, fp32)"),
+        "master": Line("actor fp32 master", params * master / dp * on_gpu, f"{p} x {master} B {shard}"),
+        "moments": Line("actor Adam moments", params * 8 / dp * on_gpu, f"{p} x 8 B {shard}"),
+    }
+
+
+def _resident_while_generating(cfg: RunConfig, state: dict[str, Line]) -> tuple[Line, ...]:
+    """rollout.offload_actor frees the grad buffers and moves the Adam moments to the host while the engine
+    generates (MegatronActor.offload_for_rollout); the weights and the fp32 master copy stay."""
+    if not cfg.rollout.offload_actor:
+        return tuple(state.values())
+    return (
+        state["weights"],
+        Line("actor gradients", 0.0, "freed while generating (rollout.offload_actor)"),
+        state["master"],
+        Line("actor Adam moments", 0.0, "in host memory while generating (rollout.offload_actor)"),
+    )
+
+
+def _cached_activations(cfg: RunConfig, lay: _Layout, transient: list[Line], pushing: bool = False) -> tuple[Line, ...]:
+    """PyTorch's caching allocator keeps the blocks the update freed; the engine allocates through its own pool
+    (vLLM's CuMemAllocator), so those blocks count against it until torch.cuda.empty_cache(). Only
+    rollout.offload_actor empties the cache, and only when generation starts: after the weight push."""
+    if not lay.on_gpu or (cfg.rollout.offload_actor and not pushing):
+        return ()
+    reserved = sum(line.bytes for line in transient)
+    why = "freed by the update, still reserved by PyTorch's caching allocator until torch.cuda.empty_cache()"
+    when = "(rollout.offload_actor calls it as generation starts)"
+    return (Line("actor activations (cached)", reserved, f"{why} {when}", "actor"),)
+
+
+def _layer_bytes_per_token(cfg: RunConfig, shape: ModelShape, lay: _Layout, row: int) -> tuple[float, float]:
+    """(bytes per token one layer keeps for backward without recompute, of which the attention scores)."""
+    b, t = _DTYPE_BYTES[cfg.model.dtype], lay.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
+    h, q, k, f = shape.hidden, shape.q, shape.k, shape.ffn
+    if lay.fused:  # V stays a view of the fused QKV output, so that whole buffer lives beside the roped Q and K
+        return b * (4 * h / sp + (3 * q + 3 * k + 3 * f) / t), 0.0
+    scores = b * shape.heads * row / t  # the softmax output [b a, s, s]
+    return b * (6 * h / sp + (4 * q + 5 * f) / t) + scores, scores
+
+
+def _in_flight_layers(shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int) -> float:
+    """Layer-micro-batches whose activations stage pp_rank holds at the peak of the 1F1B schedule."""
+    p, v = lay.pp, lay.vpp
+    if v == 1:
+        return min(p - pp_rank, tokens.micro_batches) * shape.layers / p
+    chunks = min((p - pp_rank - 1) * 2 + (v - 1) * p + 1, tokens.micro_batches * v)  # Megatron's warm-up + 1
+    return chunks * shape.layers / (p * v)
+
+
+def _activation_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int) -> list[Line]:
+    b, T = _DTYPE_BYTES[cfg.model.dtype], tokens.micro_batch
+    full, scores = _layer_bytes_per_token(cfg, shape, lay, tokens.sequence)
+    held = _in_flight_layers(shape, lay, tokens, pp_rank)
+    mode, group = cfg.model.recompute, cfg.model.recompute_num_layers
+    if mode == "full":
+        sp = lay.tp if cfg.parallel.sequence_parallel else 1
+        kept, unit = b * shape.hidden / sp / group, "B (each group's input, recompute=full)"
+    else:
+        kept, unit = full - (scores if mode == "selective" else 0.0), f"B/token/layer (recompute={mode})"
+    lines = [
+        Line("actor activations", held * kept * T, f"{held:g} layer-micro-batches x {T} tokens x {kept:.0f} {unit}")
+    ]
+    if scores:  # Megatron's local attention computes the scores into a persistent buffer (global memory buffer)
+        lines.append(Line("attention score buffer", scores * T, f"{T} tokens x {scores:.0f} B (a s, local layers)"))
+    lines.append(_peak_transient(cfg, shape, lay, tokens, pp_rank, full))
+    lines.append(Line("micro-batch tensors", T * _MICRO_BATCH_BYTES_PER_TOKEN, f"{T} tokens x 48 B"))
+    return lines
+
+
+def _peak_transient(
+    cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int, full: float
+) -> Line:
+    """The larger of one layer's backward (its gradients; with recompute=full, its group rebuilt first) and, on
+    the last stage, the log-prob head's backward, which runs before any layer's."""
+    b, T, group = _DTYPE_BYTES[cfg.model.dtype], tokens.micro_batch, cfg.model.recompute_num_layers
+    rebuilt = group * full * T if cfg.model.recompute == "full" else 0.0
+    backward = rebuilt + b * T * (shape.hidden + 3 * shape.ffn / lay.tp)  # d(hidden), d(fc1 out), d(fc2 in)
+    head = _head_bytes(cfg, shape, lay, tokens) if pp_rank == lay.pp - 1 else 0.0
+    if head >= backward:
+        return Line("peak transient: log-prob head", head, _head_formula(cfg, shape, lay, tokens))
+    again = f"{group} layer(s) rebuilt + " if rebuilt else ""
+    return Line("peak transient: backward of a layer", backward, f"{again}{T} tokens x (h + 3f/TP) x B of gradients")
+
+
+def _head_buffers(cfg: RunConfig, tokens: _Tokens) -> int:
+    """fp32 [chunk, V/t] buffers at the head's peak: its chunk loop computes a chunk's logits while the last
+    chunk's two buffers are still bound to their names (seen by tools/bench_memory.py), so three from the
+    second chunk on."""
+    return 3 if tokens.response > cfg.model.logprob_chunk_size else 2
+
+
+def _head_bytes(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> float:
+    b, rows = _DTYPE_BYTES[cfg.model.dtype], shape.vocab_rows(lay.tp)
+    cast = b if b != 4 else 0  # fp32 gradients cast back to the model's dtype
+    hidden = tokens.response * shape.hidden * (b + 4 + cast)
+    if not cfg.model.fused_logprobs:  # [T, V/t] logits, their fp32 copy, the softmax and its gradient
+        return tokens.micro_batch * rows * (b + 12) + hidden
+    chunk = min(cfg.model.logprob_chunk_size, tokens.response)
+    return _head_buffers(cfg, tokens) * chunk * rows * 4 + rows * shape.hidden * (4 + cast) + hidden
+
+
+def _head_formula(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> str:
+    rows = shape.vocab_rows(lay.tp)
+    if not cfg.model.fused_logprobs:
+        return f"{tokens.micro_batch} tokens x {rows} vocab/TP x (B + 12) (full logits: model.fused_logprobs=false)"
+    chunk = min(cfg.model.logprob_chunk_size, tokens.response)
+    return (
+        f"{_head_buffers(cfg, tokens)} x {chunk} chunk x {rows} vocab/TP x 4 B + weight grad {rows} x "
+        f"{shape.hidden} fp32 + {tokens.response} response tokens x h"
+    )
+
+
+def _overhead_lines(lay: _Layout, transient: float) -> tuple[Line, ...]:
+    if not lay.on_gpu:
+        return ()
+    formula = f"{_CUDA_CONTEXT_GIB} GiB (CUDA context, NCCL) + {_ALLOCATOR_SLACK:.0%} of the activations (allocator)"
+    return (
+        Line("CUDA context + allocator", _CUDA_CONTEXT_GIB * GIB + _ALLOCATOR_SLACK * transient, formula, "overhead"),
+    )
+
+
+# --- the rollout engine ---------------------------------------------------------------------------------------
+
+
+class _EngineModel:
+    """The engine's memory on one GPU: awake (generating), asleep (the actor trains), receiving weights."""
+
+    def __init__(self, cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, gpu_gb: float):
+        self.shape, self.lay, self.tokens = shape, lay, tokens
+        self.ro, self.b = cfg.rollout, _DTYPE_BYTES[cfg.model.dtype]
+        self.share = self.ro.gpu_memory_utilization * gpu_gb * GIB
+        self.sharded = self.ro.engine != "hf"  # HFEngine holds the whole model, without a memory fraction
+        self.weights = shape.total_params() * self.b / (lay.engine_tp if self.sharded else 1)
+
+    def weights_line(self) -> Line:
+        split = f"/ engine TP {self.lay.engine_tp}" if self.sharded else "(hf engine: the whole model)"
+        formula = f"{_count(self.shape.total_params())} params x {self.b} B {split}"
+        return Line("engine weights", self.weights, formula, "engine")
+
+    def workspace(self) -> float:
+        """One forward of the engine's batch, its sampler's fp32 logits, CUDA graphs."""
+        s, e = self.shape, self.lay.engine_tp
+        batch = self.ro.max_num_batched_tokens or _ENGINE_BATCHED_TOKENS
+        forward = batch * (2 * s.hidden + 2 * (s.q + 2 * s.k) / e + 3 * s.ffn / e) * self.b
+        graphs = _CUDA_GRAPHS_GIB * GIB if self.ro.cuda_graphs else 0.0
+        return forward + _ENGINE_MAX_SEQS * s.vocab * 4 + graphs
+
+    def kv_budget(self) -> float:
+        if not self.sharded:  # HFEngine: a dynamic cache for its rows at the longest sequence
+            return _HF_ENGINE_ROWS * self.tokens.sequence * self.shape.kv_bytes_per_token(1, self.b)
+        if not self.lay.on_gpu:
+            return self.ro.cpu_kv_cache_mb * (1 << 20)
+        return self.share - self.weights - self.workspace()
+
+    def kv_cache(self) -> KVCache | None:
+        if not self.sharded:
+            return None
+        per_token = self.shape.kv_bytes_per_token(self.lay.engine_tp, self.b)
+        prompts = self.ro.gen_prompts_per_round / self.lay.replicas
+        wanted = prompts * self.ro.n_samples_per_prompt * (self.tokens.prompt + self.ro.sampling.max_response_len)
+        sequence = self.ro.max_model_len or self.shape.max_positions
+        return KVCache(tokens=max(self.kv_budget(), 0.0) / per_token, sequence=sequence, wanted=wanted)
+
+    def awake(self) -> tuple[Line, ...]:
+        if not self.lay.on_gpu or not self.sharded:
+            kv = f"{_HF_ENGINE_ROWS} rows x the longest sequence" if not self.sharded else "rollout.cpu_kv_cache_mb"
+            return self.weights_line(), Line("engine KV cache", self.kv_budget(), kv, "engine")
+        formula = (
+            f"rollout.gpu_memory_utilization {self.ro.gpu_memory_utilization:g} of the GPU: weights "
+            f"{self.weights / GIB:.1f} + workspace {self.workspace() / GIB:.1f} + KV cache "
+            f"{max(self.kv_budget(), 0.0) / GIB:.1f} GiB"
+        )
+        return (Line(f"engine ({self.ro.engine}, generating)", self.share, formula, "engine"),)
+
+    def asleep(self) -> tuple[Line, ...]:
+        level, name = self.ro.sleep_level, self.ro.engine
+        if not self.lay.on_gpu:  # engines free nothing on the CPU
+            return self.awake()
+        if not self.sharded:
+            return (Line("engine (hf)", 0.0, "HFEngine moves its model to host memory", "engine"),)
+        if level == 0:
+            return (Line(f"engine ({name}, sleep_level 0)", self.share, "keeps its whole share", "engine"),)
+        what = "weights to host, KV cache freed" if level == 1 else "weights and KV cache freed"
+        formula = f"sleep_level {level}: {what}; what it keeps (assumed)"
+        return (Line(f"engine ({name}, asleep)", _ENGINE_ASLEEP_GIB * GIB, formula, "engine"),)
+
+    def receiving(self) -> tuple[Line, ...]:
+        """After the update the engine wakes its weights for the push; the actor is on the GPU whole."""
+        if self.ro.sleep_level == 0:
+            return self.asleep()
+        mb = self.ro.weight_bucket_mb
+        return (
+            self.weights_line(),
+            Line("engine residue", _ENGINE_ASLEEP_GIB * GIB, "CUDA graph pools, sampler buffers (assumed)", "engine"),
+            Line("weight buckets", 2 * mb * (1 << 20), f"2 x rollout.weight_bucket_mb {mb} MiB", "engine"),
+        )
+
+
+# --- words ----------------------------------------------------------------------------------------------------
+
+
+def _describe_layout(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> str:
+    vpp = f" x VPP {lay.vpp}" if lay.vpp > 1 else ""
+    sp = " + SP" if cfg.parallel.sequence_parallel else ""
+    optimizer = "distributed optimizer" if cfg.parallel.use_distributed_optimizer else "replicated optimizer"
+    layers = "Transformer Engine layers" if lay.fused else "local layers (unfused attention)"
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    source = f"token budget {budget}" if budget else f"micro_batch_size {cfg.trainer.micro_batch_size}"
+    return (
+        f"{shape.model_type} {_count(shape.total_params())} params (h {shape.hidden}, {shape.layers} layers, "
+        f"vocab {shape.vocab}) on {lay.gpus} GPUs: TP {lay.tp}{sp} x PP {lay.pp}{vpp} x DP {lay.dp}, {optimizer}; "
+        f"engine {cfg.rollout.engine} TP {lay.engine_tp} x {lay.replicas} replicas\n"
+        f"{cfg.model.dtype}, {layers}, recompute={cfg.model.recompute}; micro-batches of {tokens.micro_batch} "
+        f"tokens ({source}; longest sequence {tokens.sequence} = prompt {tokens.prompt} + response "
+        f"{cfg.rollout.sampling.max_response_len}), {tokens.micro_batches} per DP rank and mini-batch"
+    )
+
+
+def _notes(cfg: RunConfig, lay: _Layout, tokens: _Tokens) -> tuple[str, ...]:
+    notes = []
+    if lay.pp > 1 and cfg.trainer.max_tokens_per_micro_batch:
+        notes.append(
+            "PP > 1 pads every micro-batch to one shape (the most rows x the longest row, mcore/actor.py "
+            "_one_shape): with mixed lengths a micro-batch can exceed the token budget planned here"
+        )
+    if cfg.model.fp8 != "none":
+        notes.append("model.fp8: FP8 weight copies and scaling state are not counted")
+    if not cfg.data.max_prompt_len:
+        notes.append(
+            f"data.max_prompt_len is 0: planned with prompts of {tokens.prompt} tokens (the model's positions "
+            "minus max_response_len); set it to your data's longest prompt"
+        )
+    return tuple(notes)
+
+
+def _count(n: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.{3 if unit == 'B' else 1}f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
+    """The plan as a table, one line per item with its formula, then the verdict and what would help."""
+    out = [plan.layout, f"GPUs: {plan.gpus}" + (f" ({gpus_from})" if gpus_from else ""), ""]
+    for phase in plan.phases:
+        out.append(f"{phase.name} ({plan.stage}){'  <- peak' if phase is plan.peak else ''}")
+        out += [f"  {line.name:<38}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in phase.lines]
+        out += [f"  {'total':<38}{phase.total / GIB:>8.2f} GiB of {plan.gpu_bytes / GIB:g}", ""]
+    if plan.kv is not None:
+        out += [_kv_summary(plan.kv), ""]
+    out += [f"note: {note}" for note in plan.notes]
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    out.append(f"{verdict}: peak {plan.peak.total / GIB:.1f} GiB ({plan.peak.name}) of {plan.gpu_bytes / GIB:g} GiB")
+    if not plan.kv_fits:
+        out.append(f"the engine's KV cache does not hold one sequence of {plan.kv.sequence} tokens")
+    if plan.suggestions:
+        out.append("what would help (each change alone, and what it takes off the peak):")
+        out += [f"  {s.change}  (-{s.saves / GIB:.1f} GiB{', fits' if s.fits else ''})" for s in plan.suggestions]
+    return "\n".join(out)
+
+
+def _kv_summary(kv: KVCache) -> str:
+    return (
+        f"KV cache per engine replica: {kv.tokens / 1e6:.2f}M tokens = {kv.tokens / kv.sequence:.1f} sequences of "
+        f"{kv.sequence} at once; a generation round wants {kv.wanted / 1e6:.1f}M tokens per replica (prompts x n x "
+        f"(prompt + response)): at full length it runs in about {kv.wanted / max(kv.tokens, 1.0):.0f} waves"
+    )
+
+
+# --- when it does not fit -------------------------------------------------------------------------------------
+
+
+def _candidates(cfg: RunConfig, shape: ModelShape, gpus: int) -> list[tuple[str, list[str], int]]:
+    """Changes worth trying, each alone: (what it does, overrides, GPUs)."""
+    par, tr, ro = cfg.parallel, cfg.trainer, cfg.rollout
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    out: list[tuple[str, list[str], int]] = []
+    if cfg.model.recompute != "full":
+        out.append(("recompute activations in backward", ["model.recompute=full"], gpus))
+    if tr.max_tokens_per_micro_batch > 0:
+        half = tr.max_tokens_per_micro_batch // 2
+        out.append(("halve the micro-batch token budget", [f"trainer.max_tokens_per_micro_batch={half}"], gpus))
+    elif tr.micro_batch_size > 1:
+        out.append(("halve the micro-batch", [f"trainer.micro_batch_size={tr.micro_batch_size // 2}"], gpus))
+    if tp > 1 and not par.sequence_parallel:
+        out.append(("split activations over TP", ["parallel.sequence_parallel=true"], gpus))
+    if not par.use_distributed_optimizer:
+        out.append(("shard the optimizer over DP", ["parallel.use_distributed_optimizer=true"], gpus))
+    if 2 * tp <= 8:  # within an 8-GPU node
+        out.append((f"raise TP to {2 * tp}", [f"parallel.tensor_model_parallel_size={2 * tp}",
+                                              "parallel.sequence_parallel=true"], gpus))  # fmt: skip
+    out.append((f"raise PP to {2 * pp}", [f"parallel.pipeline_model_parallel_size={2 * pp}"], gpus))
+    if not ro.offload_actor:
+        out.append(("move grads and Adam moments off the GPU while generating", ["rollout.offload_actor=true"], gpus))
+    if ro.gpu_memory_utilization > 0.2:
+        lower = round(ro.gpu_memory_utilization - 0.1, 2)
+        out.append(("give the engine less", [f"rollout.gpu_memory_utilization={lower}"], gpus))
+    if ro.sleep_level == 0:
+        out.append(("let the engine sleep while the actor trains", ["rollout.sleep_level=1"], gpus))
+    if not cfg.optimizer.cpu_offload and par.use_distributed_optimizer:
+        out.append(("keep the optimizer in host memory", ["optimizer.cpu_offload=true"], gpus))
+    out.append(("run on twice the GPUs (more DP shards of the optimizer)", [], 2 * gpus))
+    return out
+
+
+def _suggestions(
+    cfg: RunConfig, hf: dict[str, Any], gpu_gb: float, gpus: int, plan: MemoryPlan
+) -> tuple[Suggestion, ...]:
+    found = []
+    for what, overrides, n_gpus in _candidates(cfg, ModelShape.from_hf(hf), gpus):
+        try:
+            after = _plan(_with_overrides(cfg, overrides), hf, gpu_gb, n_gpus)
+        except (ConfigError, LayoutError):  # a layout the model or the GPU count cannot take
+            continue
+        saves = plan.peak.total - after.peak.total
+        if saves > 0 or (after.kv_fits and not plan.kv_fits):
+            found.append(Suggestion(f"{what}: {' '.join(overrides) or f'--gpus {n_gpus}'}", saves, after.fits))
+    return tuple(sorted(found, key=lambda s: (not s.fits, -s.saves)))
+
+
+def _with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """A copy of cfg with `section.key=value` overrides applied."""
+    out = copy.deepcopy(cfg)
+    for text in overrides:
+        key, value = parse_override(text)
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, float(value) if isinstance(getattr(node, leaf), float) else value)
+    return out
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def read_model_config(model_config: str | None, hf_path: str) -> dict[str, Any]:
+    """config.json from --model-config (a directory or the file itself), else from model.hf_path."""
+    where = Path(model_config or hf_path)
+    path = where if where.is_file() else where / "config.json"
+    if not path.is_file():
+        source = "--model-config" if model_config else "model.hf_path"
+        raise ConfigError(f"no config.json at {path} ({source}); plan without the weights with --model-config DIR")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return config
+
+
+def plan_command(
+    config_path: str, overrides: list[str], gpu_gb: float, model_config: str | None, gpus: int | None = None
+) -> int:
+    """`dapo-mcore plan CONFIG [overrides] [--gpu-gb 80] [--model-config DIR] [--gpus N]`: print the per-GPU
+    memory plan; 0 if it fits, 1 if not."""
+    cfg = load_config(config_path, overrides)
+    plan = plan_memory(cfg, read_model_config(model_config, cfg.model.hf_path), gpu_gb, gpus)
+    print(format_plan(plan, gpus_from="--gpus" if gpus else _gpus_source()))
+    return 0 if plan.fits else 1
+
+
+def _gpus_source() -> str:
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(key, "").isdigit():
+            return f"${key}"
+    return "one 8-GPU node by default; pass --gpus N"

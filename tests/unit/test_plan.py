@@ -1,0 +1,273 @@
+"""The memory planner (dapo_mcore/plan.py): its parameter counts are those of the Megatron model the provider
+builds, its lines move the way the layout says they must, and a layout that does not fit says what to change."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_mcore.config import load_config
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, read_model_spec
+from dapo_mcore.parallel import destroy_parallel, init_parallel
+from dapo_mcore.plan import GIB, ModelShape, plan_command, plan_memory, stage_params
+from dapo_mcore.utils.errors import ConfigError
+from tests.helpers import tiny_hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN_7B = REPO / "examples/models/Qwen2.5-7B"
+HEAVY = ("torch", "megatron", "transformer_engine", "vllm", "sglang")
+
+
+def hf_dict(family: str, tie: bool = False, layers: int = 4) -> dict:
+    return tiny_hf_config(family, tie, layers).to_dict()
+
+
+def qwen_7b() -> dict:
+    return json.loads((QWEN_7B / "config.json").read_text())
+
+
+def config(*overrides: str):
+    return load_config(None, ["rollout.engine=vllm", "data.max_prompt_len=2048", *overrides])
+
+
+class FakeGroup:
+    """A process group of `size` ranks seen from `rank`: what Megatron's layers read while they are built."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.fixture(scope="module")
+def one_process_world():
+    destroy_parallel()
+    ctx = init_parallel(1, 1, "cpu")
+    yield ctx
+    destroy_parallel()
+
+
+def megatron_params(ctx, hf: dict, tp: int, pp: int, tp_rank: int, pp_rank: int) -> int:
+    """Parameters of the GPTModel the provider builds for one (TP, PP) rank, its layers sized by the groups."""
+    pg = copy.copy(ctx.pg)
+    pg.tp, pg.pp = FakeGroup(tp, tp_rank), FakeGroup(pp, pp_rank)
+    rank_ctx = dataclasses.replace(ctx, tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank, pg=pg)
+    spec = read_model_spec(hf)
+    tconfig = build_transformer_config(spec, tp=tp, pp=pp, dtype="float32", on_cpu=True, use_te=False)
+    chunks = build_gpt_chunks(spec, tconfig, ctx=rank_ctx, use_te=False)
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+@pytest.mark.parametrize(
+    "family,tie,tp,pp",
+    [
+        ("llama", False, 1, 1),
+        ("llama", False, 2, 1),
+        ("qwen2", False, 1, 1),
+        ("qwen2", False, 2, 1),
+        ("qwen3", False, 2, 1),
+        ("llama", True, 2, 1),
+        ("llama", True, 1, 2),  # tied embeddings: the last stage keeps its own output layer
+        ("qwen2", False, 2, 2),
+    ],
+)
+def test_per_rank_parameters_equal_the_megatron_model_the_provider_builds(one_process_world, family, tie, tp, pp):
+    hf = hf_dict(family, tie)
+    cfg = config(f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}")
+    for pp_rank in range(pp):
+        built = {megatron_params(one_process_world, hf, tp, pp, tp_rank, pp_rank) for tp_rank in range(tp)}
+        assert built == {stage_params(cfg, hf, pp_rank, gpus=tp * pp)}, (family, tie, tp, pp, pp_rank)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3"])
+def test_the_planner_reads_config_json_as_the_provider_does(family):
+    for hf in (hf_dict(family), hf_dict(family, tie=True), qwen_7b()):
+        shape, spec = ModelShape.from_hf(hf), read_model_spec(hf)
+        assert (shape.vocab, shape.hidden, shape.layers, shape.ffn, shape.tied) == (
+            spec.vocab_size,
+            spec.hidden_size,
+            spec.num_layers,
+            spec.ffn_hidden_size,
+            spec.tie_word_embeddings,
+        )
+        assert (shape.heads, shape.kv_heads, shape.head_dim) == (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        assert (shape.qkv_bias, shape.qk_norm, shape.max_positions) == (
+            spec.qkv_bias,
+            spec.qk_norm,
+            spec.max_position_embeddings,
+        )
+
+
+def test_the_unsharded_count_is_the_hf_models():
+    from transformers import AutoModelForCausalLM
+
+    for family, tie in (("llama", False), ("qwen2", False), ("qwen3", True)):
+        model = AutoModelForCausalLM.from_config(tiny_hf_config(family, tie, 3))
+        assert ModelShape.from_hf(hf_dict(family, tie, 3)).total_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_the_optimizer_line_halves_when_dp_doubles_with_the_distributed_optimizer():
+    cfg = config("parallel.tensor_model_parallel_size=2")
+    train8, train16 = (plan_memory(cfg, qwen_7b(), 80, gpus=n).phase("train") for n in (8, 16))
+    for line in ("actor fp32 master", "actor Adam moments"):
+        assert train16.bytes_of(line) == pytest.approx(train8.bytes_of(line) / 2)
+        assert train8.bytes_of(line) > 0
+    for line in ("actor weights", "actor gradients"):  # neither is sharded over DP
+        assert train16.bytes_of(line) == train8.bytes_of(line)
+    replicated = config("parallel.tensor_model_parallel_size=2", "parallel.use_distributed_optimizer=false")
+    moments = [
+        plan_memory(replicated, qwen_7b(), 80, gpus=n).phase("train").bytes_of("actor Adam moments") for n in (8, 16)
+    ]
+    assert moments[0] == moments[1] == pytest.approx(train8.bytes_of("actor Adam moments") * 4)
+
+
+def test_optimizer_bytes_per_parameter_follow_the_dtype_and_cpu_offload():
+    hf = qwen_7b()
+    for dtype, master in (("bfloat16", 4), ("float32", 0)):
+        cfg = config(f"model.dtype={dtype}", "parallel.use_distributed_optimizer=false")
+        train, params = plan_memory(cfg, hf, 1000, gpus=1).phase("train"), stage_params(cfg, hf, gpus=1)
+        assert train.bytes_of("actor fp32 master") == pytest.approx(master * params)
+        assert train.bytes_of("actor Adam moments") == pytest.approx(8 * params)
+        assert train.bytes_of("actor gradients") == pytest.approx(4 * params)  # fp32 main grads either way
+    offloaded = config("optimizer.cpu_offload=true", "optimizer.offload_fraction=0.75")
+    full = plan_memory(config(), hf, 1000, gpus=8).phase("train").bytes_of("actor Adam moments")
+    assert plan_memory(offloaded, hf, 1000, gpus=8).phase("train").bytes_of("actor Adam moments") == pytest.approx(
+        full / 4
+    )
+
+
+def test_recompute_full_shrinks_activations_and_selective_drops_only_unfused_attention_scores():
+    hf = qwen_7b()
+    gpu = {
+        mode: plan_memory(config(f"model.recompute={mode}"), hf, 1000, gpus=8)
+        .phase("train")
+        .bytes_of("actor activations")
+        for mode in ("none", "selective", "full")
+    }
+    assert 0 < gpu["full"] < gpu["none"] / 10
+    assert gpu["selective"] == gpu["none"]  # flash attention keeps no scores to drop
+    cpu = {
+        mode: plan_memory(
+            config(f"model.recompute={mode}", "parallel.device=cpu", "model.dtype=float32"), hf, 1000, gpus=8
+        )
+        .phase("train")
+        .bytes_of("actor activations")
+        for mode in ("none", "selective")
+    }
+    row = 2048 + 20480
+    tokens = 4 * row  # trainer.micro_batch_size rows of the longest sequence
+    scores = 4 * 28 * row  # fp32 softmax output: heads x row per token
+    assert cpu["none"] - cpu["selective"] == pytest.approx(28 * scores * tokens)  # 28 layers
+
+
+def test_the_interleaved_schedule_holds_narayanans_factor_more_on_the_first_stage():
+    hf, p, v = qwen_7b(), 4, 7  # 28 layers = 4 stages x 7 chunks of one layer
+    base = ["parallel.pipeline_model_parallel_size=4", "trainer.micro_batch_size=1"]
+    plans = [
+        plan_memory(config(*base, f"parallel.virtual_pipeline_model_parallel_size={vpp}"), hf, 1000, gpus=4)
+        for vpp in (1, v)
+    ]
+    assert [plan.stage for plan in plans] == ["first stage", "first stage"]
+    plain, interleaved = (plan.phase("train").bytes_of("actor activations") for plan in plans)
+    assert interleaved / plain == pytest.approx(1 + (p - 1) / (p * v))
+    one_stage = plan_memory(config("trainer.micro_batch_size=1"), hf, 1000, gpus=4).phase("train")
+    assert plain == pytest.approx(one_stage.bytes_of("actor activations"))  # p micro-batches of L / p layers
+
+
+def test_local_layer_activations_match_what_autograd_saves(one_process_world):
+    """The CPU formula against the tensors autograd keeps: one layer is the difference of 3- and 1-layer models."""
+    b, s = 2, 256
+    hf = {
+        **hf_dict("llama", layers=1),
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 640,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+    }
+
+    def saved_bytes(layers: int) -> int:
+        spec = read_model_spec({**hf, "num_hidden_layers": layers})
+        tconfig = build_transformer_config(spec, tp=1, pp=1, dtype="float32", on_cpu=True, use_te=False)
+        model = build_gpt_chunks(spec, tconfig, ctx=one_process_world, use_te=False)[0]
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        tokens = torch.randint(0, 1000, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens, torch.arange(s).expand(b, s), None)
+        return sum(seen.values())
+
+    measured = (saved_bytes(3) - saved_bytes(1)) / 2 / (b * s)
+    cfg = config(
+        "parallel.device=cpu",
+        "model.dtype=float32",
+        "data.max_prompt_len=56",
+        "rollout.sampling.max_response_len=200",
+        "trainer.micro_batch_size=2",
+    )
+    train = plan_memory(cfg, {**hf, "num_hidden_layers": 1}, 1000, gpus=1).phase("train")
+    planned = train.bytes_of("actor activations") / (b * s)
+    assert planned == pytest.approx(measured, rel=0.03)
+
+
+def test_the_engine_kv_cache_grows_by_the_memory_it_is_given():
+    hf = qwen_7b()
+    kv = [plan_memory(config(f"rollout.gpu_memory_utilization={u}"), hf, 80, gpus=8).kv for u in (0.5, 0.6)]
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16, engine TP 1
+    assert (kv[1].tokens - kv[0].tokens) * per_token == pytest.approx(0.1 * 80 * GIB)
+    assert kv[0].wanted == pytest.approx(1536 / 8 * 16 * (2048 + 20480))
+
+
+def test_a_layout_that_does_not_fit_returns_1_and_says_what_to_change(capsys):
+    code = plan_command(
+        str(REPO / "examples/dapo_qwen2.5_7b_h100.yaml"),
+        ["parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false", "model.recompute=none"],
+        80,
+        str(QWEN_7B),
+        gpus=8,
+    )
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out
+    assert "model.recompute=full" in out and "parallel.tensor_model_parallel_size=2" in out
+    suggestions = out.split("what would help")[1].strip().splitlines()[1:]
+    assert suggestions and all("GiB" in line for line in suggestions)
+
+
+def test_a_layout_that_fits_returns_0(capsys):
+    code = plan_command(str(REPO / "examples/dapo_qwen2.5_7b_h100.yaml"), [], 80, str(QWEN_7B / "config.json"), 8)
+    assert code == 0 and "fits: peak" in capsys.readouterr().out
+
+
+def test_a_missing_config_json_is_a_config_error_naming_the_path(tmp_path):
+    recipe = str(REPO / "examples/dapo_qwen2.5_7b_h100.yaml")
+    with pytest.raises(ConfigError, match=re.escape(f"no config.json at {tmp_path / 'config.json'} (--model-config)")):
+        plan_command(recipe, [], 80, str(tmp_path))
+    nowhere = tmp_path / "Qwen2.5-7B"
+    with pytest.raises(ConfigError, match=re.escape(f"no config.json at {nowhere / 'config.json'} (model.hf_path)")):
+        plan_command(recipe, [f"model.hf_path={nowhere}"], 80, None)
+
+
+def test_planning_imports_no_torch_and_no_engine():
+    code = f"import sys, dapo_mcore.plan; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "[]"

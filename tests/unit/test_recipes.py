@@ -1,0 +1,82 @@
+"""The Qwen2.5 DAPO recipes for H100 nodes: they carry the paper's settings, pass the config checks that need no
+weights or data, and the memory planner says they fit 80 GB at the GPU counts they are written for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapo_mcore.config import load_config, validate
+from dapo_mcore.mcore.provider import check_model_layout, read_model_spec
+from dapo_mcore.plan import GIB, plan_memory
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = {  # recipe -> (architecture shipped in examples/models, GPUs it is laid out for)
+    "dapo_qwen2.5_7b_h100.yaml": ("Qwen2.5-7B", 8),
+    "dapo_qwen2.5_32b_h100.yaml": ("Qwen2.5-32B", 32),
+}
+
+
+def load(recipe: str, tmp_path: Path, *overrides: str):
+    """The recipe with its weights and data pointed at what exists here: the shipped config.json, empty files."""
+    model, _ = RECIPES[recipe]
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1 + 1 = ?", "answer": "2"}\n')
+    (tmp_path / "aime.jsonl").write_text('{"prompt": "2 + 2 = ?", "answer": "4"}\n')
+    return load_config(
+        REPO / "examples" / recipe,
+        [
+            f"model.hf_path={REPO / 'examples/models' / model}",
+            f"data.source={tmp_path / 'train.jsonl'}",
+            f"data.eval_files={tmp_path / 'aime.jsonl'}",
+            f"logging.run_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_carries_the_papers_settings(recipe, tmp_path):
+    cfg = load(recipe, tmp_path)
+    ro, algo, opt = cfg.rollout, cfg.algorithm, cfg.optimizer
+    assert (opt.lr, opt.warmup_steps, opt.weight_decay, opt.clip_grad) == (1e-6, 20, 0.1, 1.0)
+    assert (ro.prompts_per_step, ro.n_samples_per_prompt, cfg.trainer.mini_batch_size) == (512, 16, 512)
+    assert ro.gen_prompts_per_round == 3 * ro.prompts_per_step and algo.dynamic_sampling.max_rounds == 10
+    assert (ro.sampling.max_response_len, algo.overlong.buffer_len) == (20480, 4096)
+    assert (algo.clip_low, algo.clip_high, algo.dual_clip_c, algo.loss_agg) == (0.2, 0.28, 10.0, "token-mean")
+    assert algo.dynamic_sampling.enabled and algo.kl.beta == 0.0 and algo.reward.verifier == "dapo"
+    assert (cfg.model.dtype, ro.engine, ro.sampling.temperature) == ("bfloat16", "vllm", 1.0)
+    # the engine holds exactly one longest prompt + response
+    assert ro.max_model_len == cfg.data.max_prompt_len + ro.sampling.max_response_len
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_passes_the_checks_that_need_no_weights(recipe, tmp_path):
+    cfg = load(recipe, tmp_path)
+    validate(cfg)
+    par = cfg.parallel
+    spec = read_model_spec(json.loads((Path(cfg.model.hf_path) / "config.json").read_text()))
+    check_model_layout(
+        spec,
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.virtual_pipeline_model_parallel_size,
+    )
+    assert cfg.data.max_prompt_len + cfg.rollout.sampling.max_response_len <= spec.max_position_embeddings
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_names_the_weights_to_download_under_models(recipe):
+    model, _ = RECIPES[recipe]
+    assert load_config(REPO / "examples" / recipe).model.hf_path == f"models/{model}"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_plan_says_the_recipe_fits_h100_80gb(recipe, tmp_path):
+    model, gpus = RECIPES[recipe]
+    cfg = load(recipe, tmp_path)
+    plan = plan_memory(cfg, json.loads((REPO / "examples/models" / model / "config.json").read_text()), 80, gpus)
+    assert plan.fits, plan.peak
+    assert plan.peak.total < 0.8 * 80 * GIB  # a fifth of the GPU left for what the plan does not model
+    assert plan.kv.tokens >= 20 * plan.kv.sequence  # at least 20 full-length answers decode at once per replica
