@@ -27,6 +27,8 @@ class MicroBatch:
     ref_logprobs: torch.Tensor  # [b, s] float, 0 where unknown
     # Index of each row in the caller's sample list; -1 for a padding row (no loss).
     sample_index: list[int]
+    # Prompt + response tokens of the real samples; tokens.numel() is what the model computes.
+    real_tokens: int = 0
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
@@ -73,7 +75,10 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
     labels = torch.roll(tokens, shifts=-1, dims=1)
     labels[:, -1] = pad_id
     position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
-    return MicroBatch(tokens=tokens, position_ids=position_ids, labels=labels, sample_index=indices, **per_token)
+    real = sum(sample_tokens(s) for s in samples if s is not None)
+    return MicroBatch(
+        tokens=tokens, position_ids=position_ids, labels=labels, sample_index=indices, real_tokens=real, **per_token
+    )
 
 
 def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int) -> list[list[int]]:

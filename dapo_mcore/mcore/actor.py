@@ -225,7 +225,10 @@ class MegatronActor(PolicyRunner):
     @property
     def sum_keys(self) -> tuple[str, ...]:
         """The per-mini-batch sums this actor reduces: loss numerator/denominator, entropy, loss statistics."""
-        return ("loss", "denominator", "entropy", "response_tokens", *stat_keys(self.settings.loss))
+        return (
+            "loss", "denominator", "entropy", "response_tokens", "real_tokens", "computed_tokens",
+            *stat_keys(self.settings.loss),
+        )  # fmt: skip
 
     @property
     def lr(self) -> float:
@@ -289,6 +292,8 @@ class MegatronActor(PolicyRunner):
             denominator=denominator.detach(),
             entropy=(entropy_bs.detach() * mb.response_mask).sum(),
             response_tokens=mb.response_mask.sum(),
+            real_tokens=torch.tensor(float(mb.real_tokens)),
+            computed_tokens=torch.tensor(float(mb.tokens.numel())),
         )
         return numerator, denominator.round().to(torch.int), stats
 
@@ -318,6 +323,9 @@ class MegatronActor(PolicyRunner):
             "actor/updates": float(n_updates - skipped),
             "actor/skipped_updates": float(skipped),
             "actor/train_tokens": t["tokens"],
+            # real tokens / tokens the model computed (the rest is padding): the share of the actor's work
+            # that is not wasted
+            "actor/padding_efficiency": t["real_tokens"] / max(t["computed_tokens"], 1.0),
         }
         optional = {
             "dual_clip": ("actor/dual_clip_frac", tokens),

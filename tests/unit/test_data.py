@@ -73,6 +73,7 @@ def test_micro_batch_aligns_per_token_arrays_with_the_predicting_position():
     assert mb.old_logprobs[0, 2:4].tolist() == pytest.approx([-0.1, -0.2])
     assert mb.advantages[0].tolist() == [0, 0, 0.5, 0.5, 0, 0, 0, 0]
     assert mb.loss_mask[1].sum() == 0 and mb.sample_index == [0, -1]  # padding row: no loss
+    assert mb.real_tokens == 5 and mb.tokens.numel() == 16  # padding efficiency 5 / 16
 
 
 def test_untrainable_sample_keeps_its_response_mask_but_not_its_loss_mask():
