@@ -221,9 +221,9 @@ def finish(run: Run, together: bool = False) -> None:
             plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
         run.writer.close()
     run.verifiers.close()
-    run.engine.shutdown()
     if run.lock is not None:
         run.lock.release()
-    if together:
+    if together:  # before the engine's shutdown, which may end the default group (vLLM at engine TP > 1)
         torch.distributed.barrier()
+    run.engine.shutdown()
     destroy_parallel()
