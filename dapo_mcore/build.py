@@ -177,7 +177,8 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     prompts = build_prompt_setup(cfg, tokenizer, spec)
-    settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id)
+    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu)
+    settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id, use_te=use_te)
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
     reference = None
@@ -268,7 +269,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
     )
 
 
-def actor_settings(cfg: RunConfig, pad_id: int) -> ActorSettings:
+def actor_settings(cfg: RunConfig, pad_id: int, use_te: bool = False) -> ActorSettings:
     return ActorSettings(
         micro_batch_size=cfg.trainer.micro_batch_size,
         temperature=cfg.rollout.sampling.temperature,
@@ -277,7 +278,16 @@ def actor_settings(cfg: RunConfig, pad_id: int) -> ActorSettings:
         fused_logprobs=cfg.model.fused_logprobs,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+        packing=packing_mode(cfg.trainer.packing, use_te),
     )
+
+
+def packing_mode(choice: str, use_te: bool) -> str:
+    """trainer.packing -> the actor's mode: a block-diagonal mask with the local spec (exact, tested on the
+    CPU), THD with Transformer Engine only when asked for ("on"): that path is not verified yet."""
+    if choice == "off" or (choice == "auto" and use_te):
+        return "off"
+    return "thd" if use_te else "mask"
 
 
 def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:

@@ -10,11 +10,18 @@ baseline runs get_forward_backward_func() on a second GPTModel built from the sa
 vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per rank (matmul FLOPs of
 forward + backward: 3x the forward's, causal attention counted at half) and the ratio ours/baseline. Use a
 config.json alone (random weights) or a full HF directory.
+
+--long-cot N: instead, N samples with log-normal lengths in [--min-len, --max-len] (long-CoT-like), one
+mini-batch, trained padded to one length (micro_batch_size rows), padded by a token budget, and packed into
+rows of that budget (trainer.packing): real tokens/s and padding efficiency (real / computed tokens) of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -64,6 +71,64 @@ def synthetic_samples(n: int, seq: int, vocab: int, seed: int = 0) -> list[Sampl
             )
         )
     return samples
+
+
+def long_cot_samples(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """Log-normal total lengths (median sqrt(low * high), ~95% inside [low, high]), clipped to the range;
+    prompts of 1/8 of the shortest, the rest response."""
+    rng = random.Random(seed)
+    mu, sigma = (math.log(low) + math.log(high)) / 2, (math.log(high) - math.log(low)) / 4
+    samples = []
+    for _ in range(n):
+        length = min(high, max(low, round(rng.lognormvariate(mu, sigma))))
+        ids = [rng.randrange(4, vocab) for _ in range(length)]
+        n_resp = length - low // 8
+        samples.append(
+            Sample(
+                prompt_ids=ids[: low // 8],
+                response_ids=ids[low // 8 :],
+                rollout_logprobs=[-1.0] * n_resp,
+                finish_reason="stop",
+                advantage=rng.uniform(-1, 1),
+                old_logprobs=[-1.0] * n_resp,
+            )
+        )
+    return samples
+
+
+def bench_long_cot(args, actor, ctx) -> None:
+    """Padded vs packed on one long-tailed mini-batch: real tokens/s and padding efficiency."""
+    samples = long_cot_samples(args.long_cot, args.min_len, args.max_len, actor.spec.vocab_size)
+    indices, budget = list(range(len(samples))), args.max_len
+    layouts = {
+        f"padded: {args.micro_batch} rows x the longest sample": dict(packing="off", max_tokens_per_micro_batch=0),
+        f"padded: token budget {budget}": dict(packing="off", max_tokens_per_micro_batch=budget),
+        f"packed: rows of {budget} tokens (trainer.packing)": dict(packing="mask", max_tokens_per_micro_batch=budget),
+    }
+    real, rows = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), []
+    for name, changes in layouts.items():
+        actor.settings = dataclasses.replace(actor.settings, **changes)
+        secs, efficiency = _time_layout(actor, samples, indices, args, ctx)
+        rows.append((name, secs, real / secs, efficiency))
+    if ctx.rank == 0:
+        lengths = sorted(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        spread = f"{lengths[0]}/{lengths[len(lengths) // 2]}/{lengths[-1]}"
+        print(f"{len(samples)} samples, {real} tokens, lengths min/median/max {spread} | {ctx.describe()}")
+        print("| layout | s/step | real tokens/s | padding efficiency | speed-up vs padded |")
+        print("|---|---|---|---|---|")
+        for name, secs, tps, eff in rows:
+            print(f"| {name} | {secs:.2f} | {tps:.0f} | {eff:.2f} | {rows[0][1] / secs:.2f} |")
+
+
+def _time_layout(actor, samples, indices, args, ctx) -> tuple[float, float]:
+    """Median seconds per mini-batch and real / computed tokens (the actor's own counts)."""
+    totals = {}
+
+    def step():
+        totals.update(zip(actor.sum_keys, actor.compute_gradients(samples, indices).tolist()))
+
+    secs = statistics.median(time_steps(step, args.steps, args.warmup, ctx.device))
+    return secs, totals["real_tokens"] / totals["computed_tokens"]
 
 
 def time_steps(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
@@ -137,6 +202,9 @@ def main() -> None:
     ap.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--long-cot", type=int, default=0, help="N long-tailed samples: padded vs packed")
+    ap.add_argument("--min-len", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=8192)
     args = ap.parse_args()
     hf = Path(args.hf)
     spec = read_model_spec(load_hf_config(hf.parent if hf.name == "config.json" else hf))
@@ -163,6 +231,10 @@ def main() -> None:
         opt,
         ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0),
     )
+    if args.long_cot:
+        bench_long_cot(args, actor, ctx)
+        destroy_parallel()
+        return
     indices = list(range(len(samples)))
     baseline_config = build_transformer_config(
         spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te

@@ -250,6 +250,13 @@ class TrainerConfig:
     # > 0: build micro-batches by a token budget (rows x padded length <= this) instead of micro_batch_size,
     # and balance data-parallel ranks by token count.
     max_tokens_per_micro_batch: int = 0
+    # Pack several samples into each micro-batch row (positions restart per sample, attention stays inside
+    # it), so long-tailed response lengths do not pad every row to the longest. Rows hold
+    # max_tokens_per_micro_batch tokens (one row per micro-batch), or without a budget micro_batch_size rows
+    # as long as the longest sample. "auto": on with the local layer spec (a block-diagonal causal mask, exact:
+    # tests/dist), off with Transformer Engine, whose THD path (cu_seqlens) is written but not verified yet;
+    # "on": packed on either (THD with Transformer Engine); "off": one padded length per mini-batch.
+    packing: str = "auto"
     # Seed of the torch RNG used by the actor (dropout, random init).
     seed: int = 42
     # Validate on data.eval_files before the first step, every N steps and after the last (0: never).

@@ -152,6 +152,7 @@ def _check_rollout(cfg: RunConfig) -> None:
 def _check_batches(cfg: RunConfig) -> None:
     tr, par = cfg.trainer, cfg.parallel
     _require(tr.max_tokens_per_micro_batch >= 0, "trainer.max_tokens_per_micro_batch must be >= 0")
+    _require(tr.packing in ("auto", "on", "off"), f"trainer.packing={tr.packing!r}; expected auto, on or off")
     _require(
         par.virtual_pipeline_model_parallel_size >= 1, "parallel.virtual_pipeline_model_parallel_size must be >= 1"
     )

@@ -23,11 +23,15 @@ from dapo_mcore.algo.losses import LossSettings, dapo_loss, stat_keys
 from dapo_mcore.data.batching import (
     MicroBatch,
     balance_by_tokens,
+    block_causal_mask,
     build_micro_batch,
+    build_packed_micro_batch,
     padded_length,
+    plan_packed,
     round_up,
     sample_tokens,
     split_for_data_parallel,
+    to_sequences,
     token_budget_micro_batches,
 )
 from dapo_mcore.data.types import Sample
@@ -53,6 +57,17 @@ class ActorSettings:
     # > 0: micro-batches hold at most this many (padded) tokens, and DP ranks get equal token counts;
     # 0: micro_batch_size rows each.
     max_tokens_per_micro_batch: int = 0
+    # "off": one padded length per mini-batch; "mask": samples packed into rows (of the token budget, else of
+    # the longest sample, micro_batch_size rows each) under a block-diagonal causal mask, exact with the local
+    # spec; "thd": the same rows to Transformer Engine as THD with cu_seqlens (GPU; not verified here).
+    packing: str = "off"
+
+    def __post_init__(self):
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"packing={self.packing!r}; expected one of {PACKING_MODES}")
+
+
+PACKING_MODES = ("off", "mask", "thd")
 
 
 class PolicyRunner:
@@ -65,6 +80,9 @@ class PolicyRunner:
         self._tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
         # Sequence parallelism splits the sequence over TP ranks: lengths must divide by TP.
         self._multiple = math.lcm(8, ctx.tp_size) if self.config.sequence_parallel else 8
+        if settings.packing == "mask" and self.config.masked_softmax_fusion:
+            # the fused causal softmax kernel ignores a passed mask: samples would see each other
+            raise ValueError("packing with a block-diagonal mask needs masked_softmax_fusion off (the local spec)")
         self._head = unwrap(chunks[-1])  # the last model chunk holds the output layer on the last stage
         if settings.fused_logprobs and ctx.is_last_stage:
             install_passthrough_head(self._head, ctx.pg.tp)
@@ -85,7 +103,9 @@ class PolicyRunner:
                 _store_logprobs(samples, micro, outputs, attr)
 
     def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the mini-batch `indices`: (rows, padded length) plans, built."""
+        """This rank's micro-batches of the mini-batch `indices`, built and on the device."""
+        if self.settings.packing != "off":
+            return self._packed_micro_batches(samples, indices)
         ctx, settings = self.ctx, self.settings
         if settings.max_tokens_per_micro_batch:
             lengths = [sample_tokens(s) for s in samples]
@@ -101,9 +121,7 @@ class PolicyRunner:
             ]
         # An empty share still runs the schedule (it takes part in the collectives); the interleaved schedule
         # needs whole groups of pp micro-batches. Padding rows carry no loss.
-        n_padding = max(1 - len(plans), 0)
-        if ctx.vpp_size > 1:
-            n_padding = -(len(plans) + n_padding) % ctx.pp_size + n_padding
+        n_padding = self._n_padding_micro_batches(len(plans))
         pad_rows = [-1] * (len(plans[0][0]) if plans and not settings.max_tokens_per_micro_batch else 1)
         plans += [(pad_rows, plans[0][1] if plans else self._multiple)] * n_padding
         return [
@@ -112,6 +130,33 @@ class PolicyRunner:
             )
             for rows, length in plans
         ]
+
+    def _packed_micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
+        """Packed rows: with a token budget one row of at most that many tokens per micro-batch, else
+        micro_batch_size rows as long as the longest sample. Same count and shape on every DP rank."""
+        ctx, settings = self.ctx, self.settings
+        budget = settings.max_tokens_per_micro_batch
+        plan = plan_packed(
+            indices,
+            [sample_tokens(s) for s in samples],
+            ctx.dp_size,
+            ctx.dp_rank,
+            rows_per_micro=1 if budget else settings.micro_batch_size,
+            budget=budget,
+            multiple=self._multiple,
+        )
+        empty = [[] for _ in plan.micro_batches[0]]
+        micro = plan.micro_batches + [empty] * self._n_padding_micro_batches(len(plan.micro_batches))
+        built = [build_packed_micro_batch(samples, rows, plan.row_len, settings.pad_id) for rows in micro]
+        if settings.packing == "thd":
+            built = [_one_row(mb) for mb in built]
+        return [mb.to(ctx.device) for mb in built]
+
+    def _n_padding_micro_batches(self, n_micro: int) -> int:
+        n_padding = max(1 - n_micro, 0)
+        if self.ctx.vpp_size > 1:
+            n_padding = -(n_micro + n_padding) % self.ctx.pp_size + n_padding
+        return n_padding
 
     def _run_schedule(self, micro: list[MicroBatch], forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -144,7 +189,14 @@ class PolicyRunner:
 
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
-        output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
+        if mb.segment_ids is None:
+            output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
+        elif self.settings.packing == "thd":
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=thd_params(mb.segment_ids))
+        else:
+            # The local spec's layers are built causal, but its (unfused: masked_softmax_fusion is off without
+            # TE) softmax uses a mask when one is passed (FusedScaleMaskSoftmax.forward_torch_softmax).
+            output = model(mb.tokens, mb.position_ids, block_causal_mask(mb.segment_ids))
         return output, partial(self._logprob_output if forward_only else self._loss, mb)
 
     def _token_logprobs(self, mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,15 +329,17 @@ class MegatronActor(PolicyRunner):
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
+        # The loss wants one row per sample (per-sequence aggregation and masks): packed rows are regrouped.
+        per_seq = partial(to_sequences, sequence_index=mb.sequence_index)
         numerator, denominator, stats = dapo_loss(
-            logprobs_bs,
-            mb.old_logprobs,
-            mb.advantages,
-            mb.loss_mask,
+            per_seq(logprobs_bs),
+            per_seq(mb.old_logprobs),
+            per_seq(mb.advantages),
+            per_seq(mb.loss_mask),
             self.settings.loss,
-            entropy_BT=entropy_bs,
-            ref_logprobs_BT=mb.ref_logprobs,
-            rollout_logprobs_BT=mb.rollout_logprobs,
+            entropy_BT=per_seq(entropy_bs),
+            ref_logprobs_BT=per_seq(mb.ref_logprobs),
+            rollout_logprobs_BT=per_seq(mb.rollout_logprobs),
         )
         stats.update(
             loss=numerator.detach(),
@@ -376,13 +430,37 @@ def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]
     return [(rows + [-1] * (rows_max - len(rows)), length_max) for rows, _ in plans]
 
 
+def _one_row(mb: MicroBatch) -> MicroBatch:
+    """Packed rows laid end to end as one row: THD attention takes [1, total tokens] with cu_seqlens."""
+    flat = {k: (v.reshape(1, -1) if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in vars(mb).items()}
+    s = mb.tokens.shape[1]
+    flat["segments"] = [(i, 0, row * s + offset) for i, row, offset in mb.segments]
+    index = mb.sequence_index.clone()
+    flat["sequence_index"] = torch.stack([torch.zeros_like(index[0]), index[0] * s + index[1]])
+    return MicroBatch(**flat)
+
+
+def thd_params(segment_ids_bs: torch.Tensor) -> Any:
+    """PackedSeqParams (THD) for one row of consecutive segments: cumulative segment lengths."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, counts = torch.unique_consecutive(segment_ids_bs.reshape(-1), return_counts=True)
+    cu_seqlens = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(counts.max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
 def _store_logprobs(samples: list[Sample], micro: list[MicroBatch], outputs: list[torch.Tensor], attr: str) -> None:
     for mb, logprobs_bs in zip(micro, outputs):
-        for row, index in enumerate(mb.sample_index):
-            if index < 0:
-                continue
+        for index, row, offset in mb.segments:
             sample = samples[index]
-            start = len(sample.prompt_ids) - 1
+            start = offset + len(sample.prompt_ids) - 1
             setattr(sample, attr, logprobs_bs[row, start : start + len(sample.response_ids)].tolist())
 
 

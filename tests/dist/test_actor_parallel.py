@@ -147,3 +147,21 @@ def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):
     reference = layouts.run()
     assert "lm_head.weight" not in reference["runs"]["token-mean/4/0"]["grads"]  # tied: one tensor
     assert_same(layouts.run(4, tp=2, pp=2), reference)
+
+
+PACKED_BUDGET = 64  # the longest varied sample is exactly this long: it fills a packed row alone
+
+
+@pytest.mark.parametrize("nproc, options", [
+    (1, {}), (2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (2, {}),
+], ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"])
+def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(llama, nproc, options):
+    """Samples of 3 to 64 tokens (one with a single response token) packed under a block-diagonal causal mask,
+    in rows of the longest sample (4 per micro-batch) or of the token budget, against one padded length."""
+    result = llama.run(nproc, packing="off,mask", varied_samples=True, loss_agg_modes=ALL_MODES,
+                       max_tokens=f"0,{PACKED_BUDGET}")
+    for got, want in zip(result["logprobs_mask"], result["logprobs"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=GRAD_ATOL)
+    for mode in LOSS_AGG_MODES:
+        for budget in (0, PACKED_BUDGET):
+            assert_same(result, result, run=f"{mode}/4/{budget}/mask", reference_run=f"{mode}/4/0")

@@ -3,16 +3,18 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
 
     torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
-             [--optimizer-step --dist-opt]
+             [--optimizer-step --dist-opt] [--packing off,mask --varied-samples]
 
 Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as loaded,
-         "runs": {"<mode>/<micro batch size>/<token budget>": {"loss", "grads"}},
+         "logprobs_<packing>": the same per packing mode (with --packing),
+         "runs": {"<mode>/<micro batch size>/<token budget>[/<packing>]": {"loss", "grads"}} (no suffix: off),
          "stepped": HF-named weights after one optimizer step (with --optimizer-step)}.
 """
 
 import argparse
 import copy
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,23 @@ def loss_of(ctx, totals):
     dist.all_reduce(totals, group=ctx.pg.dp)
     dist.all_reduce(totals, group=ctx.pg.pp)
     return (totals[0] / totals[1]).item()  # sum_keys: loss numerator, denominator, ...
+
+
+def varied_samples(budget):
+    """Lengths far apart: random short samples, one with a single response token, one of 40 tokens and one
+    exactly as long as the token budget (it fills a packed row alone)."""
+    samples = random_samples(14, seed=7)
+    for length, n_resp in ((40, 30), (budget, budget - 6)):
+        extra = random_samples(1, seed=length, max_prompt=2, max_response=1)[0]
+        extra.prompt_ids = (extra.prompt_ids * length)[: length - n_resp]
+        extra.response_ids = [4 + (7 * j) % 90 for j in range(n_resp)]
+        extra.rollout_logprobs = [-4.6] * n_resp
+        extra.old_logprobs = [-4.6 + 0.01 * (j % 30) for j in range(n_resp)]
+        samples.append(extra)
+    one = samples[3]
+    one.response_ids, one.rollout_logprobs, one.old_logprobs = one.response_ids[:1], [-4.6], [-4.5]
+    one.trainable = True
+    return samples
 
 
 def token_logprobs(actor, samples):
@@ -96,25 +115,31 @@ def main():
     ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--packing", default="off", help="packing modes to run (off, mask, thd)")
+    ap.add_argument("--varied-samples", action="store_true", help="lengths up to the largest token budget")
     args = ap.parse_args()
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
     ctx, actor, exporter = build(args, sizes[0])
-    samples = random_samples(args.samples, seed=7)
+    budgets, packings = [int(x) for x in args.max_tokens.split(",")], args.packing.split(",")
+    samples = varied_samples(max(budgets)) if args.varied_samples else random_samples(args.samples, seed=7)
     gpt = actor.chunks[0].module
     result = {"logprobs": token_logprobs(actor, samples), "runs": {},
               "rope_inv_freq": gpt.rotary_pos_emb.inv_freq.clone() if hasattr(gpt, "rotary_pos_emb") else None,
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
-    for mode in args.loss_agg_modes.split(","):
-        for budget in (int(x) for x in args.max_tokens.split(",")):
-            for mbs in sizes:
-                loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
-                actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
-                                                     max_tokens_per_micro_batch=budget)
-                totals = actor.compute_gradients(samples, list(range(len(samples))))
-                grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
-                result["runs"][f"{mode}/{mbs}/{budget}"] = {"loss": loss_of(ctx, totals), "grads": grads}
+    for packing in packings[1:]:
+        actor.settings = dataclasses.replace(actor.settings, packing=packing)
+        result[f"logprobs_{packing}"] = token_logprobs(actor, samples)
+    for mode, budget, mbs, packing in itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings):
+        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
+        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
+                                             max_tokens_per_micro_batch=budget, packing=packing)
+        totals = actor.compute_gradients(samples, list(range(len(samples))))
+        grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
+        suffix = "" if packing == "off" else f"/{packing}"
+        result["runs"][f"{mode}/{mbs}/{budget}{suffix}"] = {"loss": loss_of(ctx, totals), "grads": grads}
     if args.optimizer_step:
         actor.settings = dataclasses.replace(actor.settings, micro_batch_size=sizes[0], max_tokens_per_micro_batch=0,
+                                             packing=packings[0],
                                              loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"))
         actor.train_step(samples, [list(range(len(samples)))])
         result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
