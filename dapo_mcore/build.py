@@ -41,7 +41,6 @@ from dapo_mcore.mcore.provider import (
     load_hf_config,
     read_model_spec,
     resolve_transformer_impl,
-    save_bytes_estimate,
 )
 from dapo_mcore.parallel import (
     ParallelContext,
@@ -50,6 +49,7 @@ from dapo_mcore.parallel import (
     destroy_parallel,
     init_parallel,
 )
+from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
@@ -115,7 +115,8 @@ def build_run(cfg: RunConfig) -> Run:
         par.pipeline_model_parallel_size,
         par.virtual_pipeline_model_parallel_size,
     )
-    spec = read_model_spec(load_hf_config(cfg.model.hf_path))
+    model_config = load_hf_config(cfg.model.hf_path)
+    spec = read_model_spec(model_config)
     check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
     check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
@@ -123,7 +124,7 @@ def build_run(cfg: RunConfig) -> Run:
     ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
     lock = None
     try:
-        preflight(cfg, ctx, spec, problems)
+        preflight(cfg, ctx, checkpoint_bytes(model_config, cfg.model.dtype), problems)
         lock = take_run_lock(run_dir_of(cfg), ctx, cfg.logging.lock_stale_after_s)  # before the directory is touched
         return build_pieces(cfg, ctx, spec, lock)
     except BaseException:
@@ -133,13 +134,13 @@ def build_run(cfg: RunConfig) -> Run:
         raise
 
 
-def preflight(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, path_problems_here: list[str]) -> None:
+def preflight(cfg: RunConfig, ctx: ParallelContext, save_bytes: int, path_problems_here: list[str]) -> None:
     """Before any model allocation: every rank's path problems, room for a save, an all-reduce across every
     rank (collective; the same error on every rank)."""
     raise_shared(path_problems_here)
     room = None
     if cfg.checkpoint.save_interval > 0 or cfg.checkpoint.save_on_signal:  # a stop on a signal saves too
-        room = room_problem(checkpoint_dir_of(cfg), save_bytes_estimate(spec, cfg.model.dtype))
+        room = room_problem(checkpoint_dir_of(cfg), save_bytes)
     raise_shared([room] if room else [])
     log.info("preflight passed: %s", check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
 

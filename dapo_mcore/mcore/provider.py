@@ -122,24 +122,6 @@ def _expect(hf: dict[str, Any], key: str, supported: Any) -> None:
         raise ConfigError(f"config.json {key}={hf[key]!r} is not supported (expected {supported!r})")
 
 
-def parameter_count(spec: ModelSpec) -> int:
-    """Parameters of the whole model (all TP/PP shards together), as Megatron-Core's GPTModel builds it."""
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    attention = (
-        h * (q + 2 * kv) + q * h + (q + 2 * kv if spec.qkv_bias else 0) + (2 * spec.head_dim if spec.qk_norm else 0)
-    )
-    mlp = 3 * h * spec.ffn_hidden_size  # SwiGLU: gate, up, down
-    layer = attention + mlp + 2 * h  # two RMSNorm weights
-    embedding = spec.vocab_size * h
-    return spec.num_layers * layer + h + embedding * (1 if spec.tie_word_embeddings else 2)
-
-
-def save_bytes_estimate(spec: ModelSpec, dtype: str) -> int:
-    """Size of one run checkpoint: the weights in their dtype plus the distributed optimizer's fp32 main params
-    and Adam moments (12 bytes a parameter; measured: SmolLM2-135M fp32 saves 2,058 MiB, this says 2,052)."""
-    return parameter_count(spec) * ({"float32": 4}.get(dtype, 2) + 12)
-
-
 def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1) -> None:
     """Refuse a layout the model cannot be split into, before anything is allocated."""
     for what, count, size, key in (
