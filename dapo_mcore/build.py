@@ -139,7 +139,7 @@ def preflight(cfg: RunConfig, ctx: ParallelContext, save_bytes: int, path_proble
     rank (collective; the same error on every rank)."""
     raise_shared(path_problems_here)
     room = None
-    if cfg.checkpoint.save_interval > 0 or cfg.checkpoint.save_on_signal:  # a stop on a signal saves too
+    if cfg.checkpoint.save_interval > 0:  # (a save on a signal alone is not promised room: it may not come)
         room = room_problem(checkpoint_dir_of(cfg), save_bytes)
     raise_shared([room] if room else [])
     log.info("preflight passed: %s", check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
