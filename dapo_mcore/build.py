@@ -279,6 +279,7 @@ def actor_settings(cfg: RunConfig, pad_id: int) -> ActorSettings:
         loss=loss_settings(cfg),
         fused_logprobs=cfg.model.fused_logprobs,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
+        fused_loss_grad=cfg.model.fused_loss_grad,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
     )
 

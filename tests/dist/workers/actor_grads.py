@@ -3,16 +3,17 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
 
     torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
-             [--optimizer-step --dist-opt]
+             [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
 
 Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as loaded,
-         "runs": {"<mode>/<micro batch size>/<token budget>": {"loss", "grads"}},
+         "runs": {"<mode>/<micro batch size>/<token budget>[/entropy <coeff>]": {"loss", "grads"}},
          "stepped": HF-named weights after one optimizer step (with --optimizer-step)}.
 """
 
 import argparse
 import copy
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def build(args, mbs):
                             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1.0, use_distributed_optimizer=args.dist_opt)
     # chunk=5 tokens: many chunks per micro-batch, so the chunk loop itself is exercised
     settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=not args.naive_logprobs,
-                             logprob_chunk_size=5)
+                             logprob_chunk_size=5, fused_loss_grad=not args.recompute_logits)
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
@@ -93,6 +94,9 @@ def main():
     ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
     ap.add_argument("--naive-logprobs", action="store_true", help="full logits instead of the fused head")
+    ap.add_argument("--recompute-logits", action="store_true",
+                    help="fused head without the loss gradient in its forward: backward recomputes logits")
+    ap.add_argument("--entropy-coeffs", default="0", help="entropy bonus coefficients to run (0: none)")
     ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
@@ -104,15 +108,16 @@ def main():
     result = {"logprobs": token_logprobs(actor, samples), "runs": {},
               "rope_inv_freq": gpt.rotary_pos_emb.inv_freq.clone() if hasattr(gpt, "rotary_pos_emb") else None,
               "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
-    for mode in args.loss_agg_modes.split(","):
-        for budget in (int(x) for x in args.max_tokens.split(",")):
-            for mbs in sizes:
-                loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
-                actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
-                                                     max_tokens_per_micro_batch=budget)
-                totals = actor.compute_gradients(samples, list(range(len(samples))))
-                grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
-                result["runs"][f"{mode}/{mbs}/{budget}"] = {"loss": loss_of(ctx, totals), "grads": grads}
+    runs = itertools.product(args.loss_agg_modes.split(","), args.max_tokens.split(","), sizes,
+                             args.entropy_coeffs.split(","))
+    for mode, budget, mbs, entropy in runs:
+        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13, entropy_coeff=float(entropy))
+        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
+                                             max_tokens_per_micro_batch=int(budget))
+        totals = actor.compute_gradients(samples, list(range(len(samples))))
+        grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
+        key = f"{mode}/{mbs}/{budget}" + (f"/entropy {entropy}" if float(entropy) else "")
+        result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads}
     if args.optimizer_step:
         actor.settings = dataclasses.replace(actor.settings, micro_batch_size=sizes[0], max_tokens_per_micro_batch=0,
                                              loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"))
