@@ -4,12 +4,12 @@
     python tools/bench_actor.py --hf examples/models/tiny-arith --seq 256 --micro-batch 8 --micro-batches 4
     torchrun --nproc_per_node 8 tools/bench_actor.py --hf /models/Qwen2.5-7B --tp 4 --seq 4096 --dtype bfloat16
 
-For each of --steps timed steps (after --warmup): ours runs MegatronActor.compute_gradients (fused
-log-prob head + DAPO loss, Megatron schedules and DDP) on random responses filling the sequence; the
-baseline runs get_forward_backward_func() on a second GPTModel built from the same config, with Megatron's
-vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per rank (matmul FLOPs of
-forward + backward: 3x the forward's, causal attention counted at half) and the ratio ours/baseline. Use a
-config.json alone (random weights) or a full HF directory.
+For each of --steps timed steps (after --warmup): ours runs MegatronActor.compute_gradients (log-prob head
++ DAPO loss, Megatron schedules and DDP; each head of HEADS in turn, on its own model) on random responses
+filling the sequence; the baseline runs get_forward_backward_func() on a GPTModel built from the same
+config, with Megatron's vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per
+rank (matmul FLOPs of forward + backward: 3x the forward's, causal attention counted at half) and the
+ratio ours/baseline. Use a config.json alone (random weights) or a full HF directory.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ from dapo_mcore.mcore.provider import (
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 
 BASELINE = "Megatron-Core fwd/bwd + CE (baseline)"
+# The actor's log-prob heads (ActorSettings overrides): the default takes the loss's per-token gradient in
+# the fused head's forward; the second recomputes each chunk's logits in backward; the third keeps full logits.
+HEADS = {
+    "dapo_mcore actor, fused head, loss gradient in its forward": {},
+    "dapo_mcore actor, fused head, logits recomputed in backward": {"fused_loss_grad": False},
+    "dapo_mcore actor, full-logits head": {"fused_logprobs": False},
+}
 
 
 def flops_per_token(spec, seq: int) -> float:
@@ -77,6 +84,11 @@ def time_steps(fn, steps: int, warmup: int, device: torch.device) -> list[float]
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times
+
+
+def time_actor(actor, samples: list[Sample], args, device: torch.device) -> list[float]:
+    indices = list(range(len(samples)))
+    return time_steps(lambda: actor.compute_gradients(samples, indices), args.steps, args.warmup, device)
 
 
 def megatron_baseline(spec, config, ctx, samples, seq: int, mbs: int, use_te: bool):
@@ -142,7 +154,12 @@ def main() -> None:
     spec = read_model_spec(load_hf_config(hf.parent if hf.name == "config.json" else hf))
     ctx = init_parallel(args.tp, args.pp, "auto", seed=0)
     use_te = resolve_transformer_impl(args.transformer_impl, ctx.is_cpu)
-    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te)
+
+    def model_config():  # one per model: Megatron's schedules write into it
+        return build_transformer_config(
+            spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+        )
+
     samples = synthetic_samples(args.micro_batch * args.micro_batches * ctx.dp_size, args.seq, spec.vocab_size)
     opt = OptimizerSettings(
         lr=1e-5,
@@ -156,45 +173,17 @@ def main() -> None:
         adam_eps=1e-8,
         use_distributed_optimizer=True,
     )
-    actor = build_actor(
-        ctx,
-        spec,
-        build_gpt_chunks(spec, config, ctx=ctx, use_te=use_te),
-        opt,
-        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0),
-    )
-    indices = list(range(len(samples)))
-    baseline_config = build_transformer_config(
-        spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
-    )
+    seconds = {}
+    for name, overrides in HEADS.items():
+        settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, **overrides)
+        actor = build_actor(ctx, spec, build_gpt_chunks(spec, model_config(), ctx=ctx, use_te=use_te), opt, settings)
+        seconds[name] = statistics.median(time_actor(actor, samples, args, ctx.device))
+        del actor  # one model at a time
     baseline = megatron_baseline(
-        spec, baseline_config, ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
+        spec, model_config(), ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
     )
-    fused_s = time_steps(lambda: actor.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
-    naive = build_actor(
-        ctx,
-        spec,
-        build_gpt_chunks(
-            spec,
-            build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te),
-            ctx=ctx,
-            use_te=use_te,
-        ),
-        opt,
-        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, fused_logprobs=False),
-    )
-    naive_s = time_steps(lambda: naive.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
-    base_s = time_steps(baseline, args.steps, args.warmup, ctx.device)
-    report(
-        args,
-        spec,
-        ctx,
-        {
-            "dapo_mcore actor, fused log-prob head": statistics.median(fused_s),
-            "dapo_mcore actor, full-logits head": statistics.median(naive_s),
-            BASELINE: statistics.median(base_s),
-        },
-    )
+    seconds[BASELINE] = statistics.median(time_steps(baseline, args.steps, args.warmup, ctx.device))
+    report(args, spec, ctx, seconds)
     destroy_parallel()
 
 
