@@ -332,7 +332,12 @@ class MegatronActor(PolicyRunner):
             return token_loss_grad(logp_C, terms_N.take(slice(a, b)), s)
 
         logp_N, entropy_N, anchor = chunked_logprobs_with_loss_grad(
-            hidden[rows, cols], output_weight(self._head), mb.labels[rows, cols], loss_grad, **self._head_kwargs()
+            hidden[rows, cols],
+            output_weight(self._head),
+            mb.labels[rows, cols],
+            loss_grad,
+            entropy_grad=s.entropy_coeff > 0.0,  # dapo_loss's entropy term (else one [chunk, V/tp] buffer)
+            **self._head_kwargs(),
         )
         shape = mb.labels.shape
         return _to_bs(logp_N, (rows, cols), shape), _to_bs(entropy_N, (rows, cols), shape), anchor

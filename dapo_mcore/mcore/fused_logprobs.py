@@ -58,7 +58,9 @@ class _Shard:
 
     def logits(self, hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """z = hidden_c @ W^T / T in (at least) fp32, padded vocab columns masked; one [C, V/tp] buffer."""
-        z = (hidden_c @ weight.t()).to(_acc_dtype(hidden_c)).mul_(self.inv_temperature)
+        z = (hidden_c @ weight.t()).to(_acc_dtype(hidden_c))
+        if self.inv_temperature != 1.0:  # a pass over [C, V/tp] saved at T = 1
+            z.mul_(self.inv_temperature)
         if self.vocab_start + weight.shape[0] > self.true_vocab:  # this shard holds padding columns
             z[:, max(self.true_vocab - self.vocab_start, 0) :] = _MASKED
         return z
@@ -73,11 +75,6 @@ def _per_token_buffers(k: int, hidden: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty(hidden.shape[0], dtype=_acc_dtype(hidden), device=hidden.device) for _ in range(k)]
 
 
-def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_j a_ij b_ij without a [C, V] temporary."""
-    return (a.unsqueeze(1) @ b.unsqueeze(2)).squeeze(2).squeeze(1)
-
-
 def _label_columns(labels: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(whether this shard holds each label, its column here, clamped into range where it does not)."""
     local = (labels >= vocab_start) & (labels < vocab_start + v_local)
@@ -85,34 +82,34 @@ def _label_columns(labels: torch.Tensor, vocab_start: int, v_local: int) -> tupl
 
 
 def _chunk_forward(hidden_c, weight, local_c, local_idx_c, shard: _Shard):
-    """One chunk: (z, p, log p(label), entropy, log-sum-exp, E_p[z]), the last four reduced over TP.
-
-    p lives in its own buffer and z is intact: two [C, V/tp] buffers, which the gradient then reuses.
-    """
+    """One chunk: e = exp(z - m) and ez = e (z - m) with m the row max (two [C, V/tp] buffers, every op in
+    place after the exp), then the TP-reduced per-token (log p(label), entropy, sum e, E_p[z - m], m)."""
     z = shard.logits(hidden_c, weight)
     z_max = z.amax(dim=-1)
     _all_reduce(z_max, shard.tp_group, dist.ReduceOp.MAX)
-    exp_z = (z - z_max.unsqueeze(-1)).exp_()
-    sum_exp = exp_z.sum(dim=-1)
-    _all_reduce(sum_exp, shard.tp_group)
-    lse = z_max + sum_exp.log()
-    p = exp_z.div_(sum_exp.unsqueeze(-1))
+    z.sub_(z_max.unsqueeze(-1))
     target = z.gather(-1, local_idx_c.unsqueeze(-1)).squeeze(-1) * local_c
-    sums = torch.stack([target, _rowwise_dot(p, z)])
+    e = torch.exp(z)
+    ez = z.mul_(e)
+    sums = torch.stack([e.sum(dim=-1), ez.sum(dim=-1), target])  # one all-reduce for the three
     _all_reduce(sums, shard.tp_group)
-    return z, p, sums[0] - lse, lse - sums[1], lse, sums[1]
+    sum_e, shifted_mean = sums[0], sums[1] / sums[0]
+    log_sum_e = sum_e.log()
+    return e, ez, sums[2] - log_sum_e, log_sum_e - shifted_mean, sum_e, shifted_mean, z_max
 
 
-def _grad_logits(z, p, expected_z, grad_logp, grad_entropy, local_c, local_idx_c, inv_temperature):
-    """dL/d(hidden @ W^T) for one chunk, = (onehot(y) g_logp - p (g_logp + g_ent (z - E_p[z]))) / T, built in
-    z's or p's buffer (both are spent afterwards). g_ent None: the loss has no entropy term."""
-    if grad_entropy is None:
-        grad_z = p.mul_(-grad_logp.unsqueeze(-1))
-    else:
-        grad_z = z.sub_(expected_z.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
-        grad_z.add_(grad_logp.unsqueeze(-1)).mul_(p).neg_()
-    grad_z.scatter_add_(-1, local_idx_c.unsqueeze(-1), (grad_logp * local_c).unsqueeze(-1))
-    return grad_z.mul_(inv_temperature)
+def _grad_logits(e, ez, inv_sum_e, shifted_mean, grad_logp, grad_entropy, local_c, local_idx_c, inv_temperature):
+    """dL/d(hidden @ W^T) for one chunk, in e's buffer, from e = exp(z - c) and ez = e (z - c) for any per-token
+    shift c. With p = e / sum e and E' = E_p[z - c]:
+        dL/dz = onehot(y) g_logp - p g_logp - g_ent p (z - E_p[z])
+              = onehot(y) g_logp + e (g_ent E' - g_logp) / sum e - ez g_ent / sum e,
+    all / T. A per-row scale of e, plus one of ez when the loss has an entropy term (g_ent not None)."""
+    coef_e = grad_logp if grad_entropy is None else grad_logp - grad_entropy * shifted_mean
+    grad_z = e.mul_((coef_e * (-inv_temperature * inv_sum_e)).unsqueeze(-1))
+    if grad_entropy is not None:
+        grad_z.addcmul_(ez, (grad_entropy * (-inv_temperature * inv_sum_e)).unsqueeze(-1))
+    label_grad = (grad_logp * local_c) * inv_temperature
+    return grad_z.scatter_add_(-1, local_idx_c.unsqueeze(-1), label_grad.unsqueeze(-1))
 
 
 class _ChunkedLinearLogProb(torch.autograd.Function):
@@ -121,43 +118,105 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, shard: _Shard):
         n = hidden.shape[0]
-        logp, entropy, log_sum_exp, expected_z = _per_token_buffers(4, hidden)
+        logp, entropy, log_sum_exp = _per_token_buffers(3, hidden)
         local, local_idx = _label_columns(labels, shard.vocab_start, weight.shape[0])
         for a, b in shard.ranges(n):
-            z, p, logp[a:b], entropy[a:b], log_sum_exp[a:b], expected_z[a:b] = _chunk_forward(
+            e, ez, logp[a:b], entropy[a:b], sum_e, _, z_max = _chunk_forward(
                 hidden[a:b], weight, local[a:b], local_idx[a:b], shard
             )
-            del z, p
-        ctx.save_for_backward(hidden, weight, local_idx, local, log_sum_exp, expected_z)
+            del e, ez
+            log_sum_exp[a:b] = z_max + sum_e.log()
+        ctx.save_for_backward(hidden, weight, local_idx, local, log_sum_exp, entropy)
         ctx.shard = shard
         ctx.set_materialize_grads(False)  # entropy is usually only a metric: then no gradient arrives for it
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, local_idx, local, log_sum_exp, expected_z = ctx.saved_tensors
+        hidden, weight, local_idx, local, log_sum_exp, entropy = ctx.saved_tensors
         shard = ctx.shard
         if grad_logp is None:
             grad_logp = torch.zeros_like(log_sum_exp)
         grad_hidden = torch.zeros_like(hidden, dtype=_acc_dtype(hidden))
         grad_weight = torch.zeros_like(weight, dtype=grad_hidden.dtype)
         for a, b in shard.ranges(hidden.shape[0]):
-            z = shard.logits(hidden[a:b], weight)
-            p = (z - log_sum_exp[a:b].unsqueeze(-1)).exp_()
+            # shifted by the log-sum-exp, e is p itself (sum e = 1) and E_p[z - lse] = -H
+            z = shard.logits(hidden[a:b], weight).sub_(log_sum_exp[a:b].unsqueeze(-1))
+            e = torch.exp(z)
+            ez = None if grad_entropy is None else z.mul_(e)
             grad_z = _grad_logits(
-                z,
-                p,
-                expected_z[a:b],
+                e,
+                ez,
+                1.0,
+                -entropy[a:b],
                 grad_logp[a:b],
                 None if grad_entropy is None else grad_entropy[a:b],
                 local[a:b],
                 local_idx[a:b],
                 shard.inv_temperature,
             )
-            del p
+            del z, ez
             grad_hidden[a:b] = grad_z @ weight.to(grad_z.dtype)
             grad_weight.addmm_(grad_z.t(), hidden[a:b].to(grad_z.dtype))
         return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None
+
+
+@dataclass
+class _LossGradState:
+    """What the loss-gradient forward reads and fills, chunk by chunk."""
+
+    weight: torch.Tensor  # [V/tp, H] as given: the logits matmul runs in its dtype, as in the other paths
+    weight_acc: torch.Tensor  # the same in fp32 for the gradient matmuls, converted once (a no-op in fp32)
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    grad_hidden: torch.Tensor | None  # [N, H] in hidden's dtype (each chunk rounded once, as in backward)
+    grad_weight: torch.Tensor | None  # [V/tp, H] fp32 accumulator
+
+
+def _logp_grad_step(state: _LossGradState, a, b, hidden_c, local_c, local_idx_c, shard: _Shard, loss_grad):
+    """A chunk of a loss without entropy term, in ONE [C, V/tp] buffer and no elementwise gradient pass.
+
+    With dL/dz = g (onehot(y) - p) / T:  d hidden = g (W_y - E_p[W]) / T  and
+    d W = p^T (-g hidden / T) + onehot(y)^T (g hidden / T). E_p[W] = e @ W / sum e (e = exp(z - max), made
+    in place of z) is d hidden's matmul, and it also gives the entropy: E_p[z] = hidden . E_p[W] / T.
+    """
+    z = shard.logits(hidden_c, state.weight)
+    z_max = z.amax(dim=-1)
+    _all_reduce(z_max, shard.tp_group, dist.ReduceOp.MAX)
+    target = z.sub_(z_max.unsqueeze(-1)).gather(-1, local_idx_c.unsqueeze(-1)).squeeze(-1) * local_c
+    e = z.exp_()
+    hidden_acc = hidden_c.to(e.dtype)
+    e_w = e @ state.weight_acc  # [C, H]: this shard's sum_v e_v W_v
+    sums = torch.stack([e.sum(dim=-1), target, (hidden_acc * e_w).sum(dim=-1) * shard.inv_temperature])
+    _all_reduce(sums, shard.tp_group)
+    sum_e, log_sum_e = sums[0], sums[0].log()
+    state.logp[a:b], state.entropy[a:b] = sums[1] - log_sum_e, z_max + log_sum_e - sums[2] / sum_e
+    grad_logp, grad_entropy = loss_grad(a, b, state.logp[a:b], state.entropy[a:b])
+    if grad_entropy is not None:
+        raise ValueError("the loss has an entropy term: use entropy_grad=True")
+    scale_p = (grad_logp * (-shard.inv_temperature) / sum_e).unsqueeze(-1)
+    scale_label = (grad_logp * local_c * shard.inv_temperature).unsqueeze(-1)
+    if state.grad_hidden is not None:
+        state.grad_hidden[a:b] = e_w.mul_(scale_p).addcmul_(state.weight_acc[local_idx_c], scale_label)
+    if state.grad_weight is not None:
+        state.grad_weight.addmm_(e.t(), hidden_acc * scale_p)
+        state.grad_weight.index_add_(0, local_idx_c, hidden_acc * scale_label)
+
+
+def _logp_entropy_grad_step(state: _LossGradState, a, b, hidden_c, local_c, local_idx_c, shard: _Shard, loss_grad):
+    """A chunk of a loss with an entropy term: e and e (z - max) in two [C, V/tp] buffers, dL/dz in e's."""
+    e, ez, state.logp[a:b], state.entropy[a:b], sum_e, shifted_mean, _ = _chunk_forward(
+        hidden_c, state.weight, local_c, local_idx_c, shard
+    )
+    grad_logp, grad_entropy = loss_grad(a, b, state.logp[a:b], state.entropy[a:b])
+    grad_z = _grad_logits(
+        e, ez, 1.0 / sum_e, shifted_mean, grad_logp, grad_entropy, local_c, local_idx_c, shard.inv_temperature
+    )
+    del ez
+    if state.grad_hidden is not None:
+        state.grad_hidden[a:b] = grad_z @ state.weight_acc
+    if state.grad_weight is not None:
+        state.grad_weight.addmm_(grad_z.t(), hidden_c.to(grad_z.dtype))
 
 
 class _ChunkedLinearLogProbLossGrad(torch.autograd.Function):
@@ -165,39 +224,32 @@ class _ChunkedLinearLogProbLossGrad(torch.autograd.Function):
     d hidden and d W_shard are accumulated in the forward chunk loop, backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, shard: _Shard, loss_grad: LossGradFn):
-        n = hidden.shape[0]
-        logp, entropy = _per_token_buffers(2, hidden)
+    def forward(ctx, hidden, weight, labels, shard: _Shard, loss_grad: LossGradFn, entropy_grad: bool):
+        acc = _acc_dtype(hidden)
+        state = _LossGradState(
+            weight,
+            weight.to(acc),
+            *_per_token_buffers(2, hidden),
+            grad_hidden=torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
+            grad_weight=torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None,
+        )
         local, local_idx = _label_columns(labels, shard.vocab_start, weight.shape[0])
-        want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=_acc_dtype(hidden)) if want_weight else None
-        weight_acc = weight.to(_acc_dtype(hidden))  # once, not per chunk (a no-op in fp32)
-        for a, b in shard.ranges(n):
-            z, p, logp[a:b], entropy[a:b], _, expected_z = _chunk_forward(
-                hidden[a:b], weight, local[a:b], local_idx[a:b], shard
-            )
-            grad_logp, grad_entropy = loss_grad(a, b, logp[a:b], entropy[a:b])
-            grad_z = _grad_logits(
-                z, p, expected_z, grad_logp, grad_entropy, local[a:b], local_idx[a:b], shard.inv_temperature
-            )
-            del z, p
-            if want_hidden:
-                grad_hidden[a:b] = grad_z @ weight_acc
-            if want_weight:
-                grad_weight.addmm_(grad_z.t(), hidden[a:b].to(grad_z.dtype))
-        ctx.grads = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
-        ctx.mark_non_differentiable(logp, entropy)
-        return logp, entropy, logp.new_zeros(())
+        step = _logp_entropy_grad_step if entropy_grad else _logp_grad_step
+        for a, b in shard.ranges(hidden.shape[0]):
+            step(state, a, b, hidden[a:b], local[a:b], local_idx[a:b], shard, loss_grad)
+        grad_weight = None if state.grad_weight is None else state.grad_weight.to(weight.dtype)
+        ctx.grads = (state.grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(state.logp, state.entropy)
+        return state.logp, state.entropy, state.logp.new_zeros(())
 
     @staticmethod
     def backward(ctx, _grad_logp, _grad_entropy, grad_anchor):
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None  # d hidden and d W are handed over (and scaled in place): backward runs once
         if grad_anchor is None:  # the loss did not use the anchor
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         scale = [g if g is None else g.mul_(grad_anchor.to(g.dtype)) for g in (grad_hidden, grad_weight)]
-        return *scale, None, None, None
+        return *scale, None, None, None, None
 
 
 def chunked_logprobs(
@@ -227,6 +279,7 @@ def chunked_logprobs_with_loss_grad(
     temperature: float = 1.0,
     tp_group=None,
     chunk: int = 1024,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log p(labels) [N], entropy [N], anchor []) for a loss L whose gradient is per token.
 
@@ -234,9 +287,10 @@ def chunked_logprobs_with_loss_grad(
     tokens a:b, from their (TP-reduced) values alone; it is called once per chunk, in this forward. The
     log-probs and entropies carry no gradient: add `anchor` (a zero) to the loss, times any constant factor
     the loss applies after the per-token sum, and its gradient reaches hidden and weight.
+    entropy_grad=False (L has no entropy term) takes the one-buffer path without an elementwise gradient pass.
     """
     shard = _shard(vocab_start, true_vocab, temperature, tp_group, chunk)
-    return _ChunkedLinearLogProbLossGrad.apply(hidden, weight, labels, shard, loss_grad)
+    return _ChunkedLinearLogProbLossGrad.apply(hidden, weight, labels, shard, loss_grad, entropy_grad)
 
 
 def _shard(vocab_start, true_vocab, temperature, tp_group, chunk) -> _Shard:

@@ -98,7 +98,7 @@ LOSSES = {
 }
 
 
-def dapo_gradients(hidden, weight, labels, s, batch, fused, chunk, scale=1.7):
+def dapo_gradients(hidden, weight, labels, s, batch, fused, chunk, scale=1.7, entropy_grad=None):
     """(logp, entropy, numerator, d hidden, d weight) of scale x dapo_loss's numerator on N = rows x cols tokens."""
     kw = dict(vocab_start=0, true_vocab=37, temperature=0.7, chunk=chunk)
     shape = batch["mask_BT"].shape
@@ -110,7 +110,11 @@ def dapo_gradients(hidden, weight, labels, s, batch, fused, chunk, scale=1.7):
         def loss_grad(a, b, logp_C, _entropy_C):
             return token_loss_grad(logp_C, terms_N.take(slice(a, b)), s)
 
-        logp, ent, anchor = chunked_logprobs_with_loss_grad(hidden, weight, labels, loss_grad, **kw)
+        if entropy_grad is None:  # as the actor does: the one-buffer path when the loss has no entropy term
+            entropy_grad = s.entropy_coeff > 0
+        logp, ent, anchor = chunked_logprobs_with_loss_grad(
+            hidden, weight, labels, loss_grad, entropy_grad=entropy_grad, **kw
+        )
     else:
         (logp, ent), anchor = chunked_logprobs(hidden, weight, labels, **kw), None
     numerator, _, stats = dapo_loss(logp.view(shape), *args, entropy_BT=ent.view(shape), **loss_kw)
@@ -120,9 +124,10 @@ def dapo_gradients(hidden, weight, labels, s, batch, fused, chunk, scale=1.7):
     return (logp.detach(), ent.detach(), numerator.detach(), *grads)
 
 
+@pytest.mark.parametrize("entropy_grad", [None, True], ids=["as-needed", "always"])
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-def test_loss_grad_mode_equals_autograd_through_the_recompute_path_in_float64(chunk, loss):
+def test_loss_grad_mode_equals_autograd_through_the_recompute_path_in_float64(chunk, loss, entropy_grad):
     torch.manual_seed(0)
     n_rows, n_cols, h, v_padded = 6, 10, 12, 40
     hidden = torch.randn(n_rows * n_cols, h, dtype=torch.float64, requires_grad=True)
@@ -130,13 +135,29 @@ def test_loss_grad_mode_equals_autograd_through_the_recompute_path_in_float64(ch
     labels = torch.randint(0, 37, (n_rows * n_cols,))
     batch = dapo_batch(n_rows, n_cols, seed=chunk)
     want = dapo_gradients(hidden, weight, labels, LOSSES[loss], batch, fused=False, chunk=chunk)
-    got = dapo_gradients(hidden, weight, labels, LOSSES[loss], batch, fused=True, chunk=chunk)
+    got = dapo_gradients(
+        hidden, weight, labels, LOSSES[loss], batch, fused=True, chunk=chunk, entropy_grad=entropy_grad
+    )
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
     if loss.endswith("guard-drops"):
         assert not got[-1].any()
     else:
         assert got[-1].abs().max() > 1e-3 and not got[-1][37:].any()  # padded vocab rows: no gradient
+
+
+def test_the_one_buffer_path_refuses_a_loss_with_an_entropy_term():
+    hidden, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="entropy_grad=True"):
+        chunked_logprobs_with_loss_grad(
+            hidden,
+            weight,
+            torch.randint(0, 9, (6,)),
+            lambda a, b, logp, ent: (torch.ones_like(logp), torch.ones_like(ent)),
+            vocab_start=0,
+            true_vocab=9,
+            entropy_grad=False,
+        )
 
 
 class _CountMatmuls(TorchDispatchMode):
