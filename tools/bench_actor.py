@@ -4,8 +4,8 @@
     python tools/bench_actor.py --hf examples/models/tiny-arith --seq 256 --micro-batch 8 --micro-batches 4
     torchrun --nproc_per_node 8 tools/bench_actor.py --hf /models/Qwen2.5-7B --tp 4 --seq 4096 --dtype bfloat16
 
-For each of --steps timed steps (after --warmup): ours runs MegatronActor.compute_gradients (log-prob head
-+ DAPO loss, Megatron schedules and DDP; each head of HEADS in turn, on its own model) on random responses
+For each of --steps timed steps (after --warmup), taking turns: ours runs MegatronActor.compute_gradients
+(log-prob head + DAPO loss, Megatron schedules and DDP; one model per head of HEADS) on random responses
 filling the sequence; the baseline runs get_forward_backward_func() on a GPTModel built from the same
 config, with Megatron's vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per
 rank (matmul FLOPs of forward + backward: 3x the forward's, causal attention counted at half) and the
@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
 from dapo_mcore.mcore.provider import (
@@ -34,9 +36,13 @@ from dapo_mcore.parallel import destroy_parallel, init_parallel
 
 BASELINE = "Megatron-Core fwd/bwd + CE (baseline)"
 # The actor's log-prob heads (ActorSettings overrides): the default takes the loss's per-token gradient in
-# the fused head's forward; the second recomputes each chunk's logits in backward; the third keeps full logits.
+# the fused head's forward (one [chunk, V] buffer without an entropy term in the loss, two with one); the
+# next recomputes each chunk's logits in backward; the last keeps full logits.
 HEADS = {
     "dapo_mcore actor, fused head, loss gradient in its forward": {},
+    "dapo_mcore actor, fused head, loss gradient in its forward, entropy bonus in the loss": {
+        "loss": LossSettings(entropy_coeff=0.01)
+    },
     "dapo_mcore actor, fused head, logits recomputed in backward": {"fused_loss_grad": False},
     "dapo_mcore actor, full-logits head": {"fused_logprobs": False},
 }
@@ -73,22 +79,20 @@ def synthetic_samples(n: int, seq: int, vocab: int, seed: int = 0) -> list[Sampl
     return samples
 
 
-def time_steps(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+def time_in_turns(loops: dict, steps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step of each loop, the loops taking turns step by step: when the machine's load changes
+    during the run (other jobs on a shared host), every loop sees it alike and the ratios still hold."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
+    times = {name: [] for name in loops}
     for i in range(warmup + steps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        for name, step in loops.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
     return times
-
-
-def time_actor(actor, samples: list[Sample], args, device: torch.device) -> list[float]:
-    indices = list(range(len(samples)))
-    return time_steps(lambda: actor.compute_gradients(samples, indices), args.steps, args.warmup, device)
 
 
 def megatron_baseline(spec, config, ctx, samples, seq: int, mbs: int, use_te: bool):
@@ -173,16 +177,16 @@ def main() -> None:
         adam_eps=1e-8,
         use_distributed_optimizer=True,
     )
-    seconds = {}
+    loops = {}
     for name, overrides in HEADS.items():
         settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, **overrides)
         actor = build_actor(ctx, spec, build_gpt_chunks(spec, model_config(), ctx=ctx, use_te=use_te), opt, settings)
-        seconds[name] = statistics.median(time_actor(actor, samples, args, ctx.device))
-        del actor  # one model at a time
-    baseline = megatron_baseline(
+        loops[name] = partial(actor.compute_gradients, samples, list(range(len(samples))))
+    loops[BASELINE] = megatron_baseline(
         spec, model_config(), ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
     )
-    seconds[BASELINE] = statistics.median(time_steps(baseline, args.steps, args.warmup, ctx.device))
+    times = time_in_turns(loops, args.steps, args.warmup, ctx.device)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     report(args, spec, ctx, seconds)
     destroy_parallel()
 
