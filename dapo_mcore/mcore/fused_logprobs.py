@@ -7,14 +7,15 @@ tokens at a time it computes z = hidden @ W_shard^T / T in fp32 and reduces it o
 log p(label) and entropy. Peak extra memory is O(chunk x V/tp), whatever the number of tokens. Two modes:
 
 - `chunked_logprobs` (any use of the outputs: old log-probs, the reference model, any loss): keeps only
-  the inputs and two scalars per token (the log-sum-exp and E_p[z]) for backward, where each chunk's logits
-  are recomputed: one more [N, H] x [H, V/tp] matmul than a head that keeps its logits.
+  the inputs and two scalars per token (the log-sum-exp and the entropy) for backward, where each chunk's
+  logits are recomputed: one more [N, H] x [H, V/tp] matmul than a head that keeps its logits.
 - `chunked_logprobs_with_loss_grad` (a loss that is a sum of per-token terms, such as DAPO's): the caller's
   per-token gradient is taken right after a chunk's log-probs are known, and the chunk's d hidden and
   d W_shard are accumulated there, in the forward. It keeps d hidden [N, H] (hidden's dtype) and
   d W_shard [V/tp, H] (the weight's dtype, accumulated in fp32) from forward to backward, which only scales
   them by the loss's incoming gradient: no logits recompute. The recompute mode keeps neither (its backward
-  allocates the same two, briefly).
+  allocates the same two, briefly). Without an entropy term in the loss a chunk needs one [C, V/tp] buffer
+  (`_logp_grad_step`), with one two (`_logp_entropy_grad_step`).
 
 Gradients (z = logits / T, p = softmax(z), per token):
     d logp(y) / dz = onehot(y) - p,      d H / dz = -p (z - E_p[z])
