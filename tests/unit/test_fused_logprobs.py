@@ -188,3 +188,22 @@ def test_loss_grad_mode_backward_recomputes_no_logits(fused, backward_matmuls, m
     monkeypatch.setattr(torch.autograd, "grad", counting_grad)
     dapo_gradients(hidden, weight, torch.randint(0, 37, (64,)), loss, batch, fused=fused, chunk=8)
     assert counter.count == backward_matmuls
+
+
+@pytest.mark.parametrize("loss", ["token-mean", "token-mean+entropy"])
+def test_loss_grad_mode_in_bfloat16_matches_the_recompute_path(loss):
+    """bf16 hidden and weight: the logits matmul in bf16 as in every path (so log-probs are bit-equal to the
+    old log-probs' path), gradients in fp32 and handed back in bf16. Without an entropy term the entropy
+    metric comes from hidden . E_p[W] in fp32, not from the bf16-rounded logits: within 0.06 nats here."""
+    torch.manual_seed(0)
+    hidden = torch.randn(60, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(40, 64) * 0.3).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 37, (60,))
+    batch = {k: v.float() for k, v in dapo_batch(6, 10, seed=1).items()}
+    want = dapo_gradients(hidden, weight, labels, LOSSES[loss], batch, fused=False, chunk=7)
+    got = dapo_gradients(hidden, weight, labels, LOSSES[loss], batch, fused=True, chunk=7)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])  # log-probs, numerator
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0.06)
+    for g, w in zip(got[3:], want[3:]):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=0.01 * w.float().abs().max().item())
