@@ -278,6 +278,7 @@ def actor_settings(cfg: RunConfig, pad_id: int, use_te: bool = False) -> ActorSe
         loss=loss_settings(cfg),
         fused_logprobs=cfg.model.fused_logprobs,
         logprob_chunk_size=cfg.model.logprob_chunk_size,
+        fused_loss_grad=cfg.model.fused_loss_grad,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
         packing=packing_mode(cfg.trainer.packing, use_te),
     )

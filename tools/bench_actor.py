@@ -4,12 +4,12 @@
     python tools/bench_actor.py --hf examples/models/tiny-arith --seq 256 --micro-batch 8 --micro-batches 4
     torchrun --nproc_per_node 8 tools/bench_actor.py --hf /models/Qwen2.5-7B --tp 4 --seq 4096 --dtype bfloat16
 
-For each of --steps timed steps (after --warmup): ours runs MegatronActor.compute_gradients (fused
-log-prob head + DAPO loss, Megatron schedules and DDP) on random responses filling the sequence; the
-baseline runs get_forward_backward_func() on a second GPTModel built from the same config, with Megatron's
-vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per rank (matmul FLOPs of
-forward + backward: 3x the forward's, causal attention counted at half) and the ratio ours/baseline. Use a
-config.json alone (random weights) or a full HF directory.
+For each of --steps timed steps (after --warmup), taking turns: ours runs MegatronActor.compute_gradients
+(log-prob head + DAPO loss, Megatron schedules and DDP; one model per head of HEADS) on random responses
+filling the sequence; the baseline runs get_forward_backward_func() on a GPTModel built from the same
+config, with Megatron's vocab-parallel cross-entropy as the loss. Prints tokens/s and model TFLOP/s per
+rank (matmul FLOPs of forward + backward: 3x the forward's, causal attention counted at half) and the
+ratio ours/baseline. Use a config.json alone (random weights) or a full HF directory.
 
 --long-cot N: instead, N samples with log-normal lengths in [--min-len, --max-len] (long-CoT-like), one
 mini-batch, trained padded to one length (micro_batch_size rows), padded by a token budget, and packed into
@@ -24,10 +24,12 @@ import math
 import random
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
 from dapo_mcore.mcore.provider import (
@@ -40,6 +42,17 @@ from dapo_mcore.mcore.provider import (
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 
 BASELINE = "Megatron-Core fwd/bwd + CE (baseline)"
+# The actor's log-prob heads (ActorSettings overrides): the default takes the loss's per-token gradient in
+# the fused head's forward (one [chunk, V] buffer without an entropy term in the loss, two with one); the
+# next recomputes each chunk's logits in backward; the last keeps full logits.
+HEADS = {
+    "dapo_mcore actor, fused head, loss gradient in its forward": {},
+    "dapo_mcore actor, fused head, loss gradient in its forward, entropy bonus in the loss": {
+        "loss": LossSettings(entropy_coeff=0.01)
+    },
+    "dapo_mcore actor, fused head, logits recomputed in backward": {"fused_loss_grad": False},
+    "dapo_mcore actor, full-logits head": {"fused_logprobs": False},
+}
 
 
 def flops_per_token(spec, seq: int) -> float:
@@ -127,20 +140,23 @@ def _time_layout(actor, samples, indices, args, ctx) -> tuple[float, float]:
     def step():
         totals.update(zip(actor.sum_keys, actor.compute_gradients(samples, indices).tolist()))
 
-    secs = statistics.median(time_steps(step, args.steps, args.warmup, ctx.device))
+    secs = statistics.median(time_in_turns({"layout": step}, args.steps, args.warmup, ctx.device)["layout"])
     return secs, totals["real_tokens"] / totals["computed_tokens"]
 
 
-def time_steps(fn, steps: int, warmup: int, device: torch.device) -> list[float]:
+def time_in_turns(loops: dict, steps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step of each loop, the loops taking turns step by step: when the machine's load changes
+    during the run (other jobs on a shared host), every loop sees it alike and the ratios still hold."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
+    times = {name: [] for name in loops}
     for i in range(warmup + steps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        for name, step in loops.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -210,7 +226,12 @@ def main() -> None:
     spec = read_model_spec(load_hf_config(hf.parent if hf.name == "config.json" else hf))
     ctx = init_parallel(args.tp, args.pp, "auto", seed=0)
     use_te = resolve_transformer_impl(args.transformer_impl, ctx.is_cpu)
-    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te)
+
+    def model_config():  # one per model: Megatron's schedules write into it
+        return build_transformer_config(
+            spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+        )
+
     samples = synthetic_samples(args.micro_batch * args.micro_batches * ctx.dp_size, args.seq, spec.vocab_size)
     opt = OptimizerSettings(
         lr=1e-5,
@@ -224,49 +245,23 @@ def main() -> None:
         adam_eps=1e-8,
         use_distributed_optimizer=True,
     )
-    actor = build_actor(
-        ctx,
-        spec,
-        build_gpt_chunks(spec, config, ctx=ctx, use_te=use_te),
-        opt,
-        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0),
-    )
     if args.long_cot:
+        settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0)
+        actor = build_actor(ctx, spec, build_gpt_chunks(spec, model_config(), ctx=ctx, use_te=use_te), opt, settings)
         bench_long_cot(args, actor, ctx)
         destroy_parallel()
         return
-    indices = list(range(len(samples)))
-    baseline_config = build_transformer_config(
-        spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+    loops = {}
+    for name, overrides in HEADS.items():
+        settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, **overrides)
+        actor = build_actor(ctx, spec, build_gpt_chunks(spec, model_config(), ctx=ctx, use_te=use_te), opt, settings)
+        loops[name] = partial(actor.compute_gradients, samples, list(range(len(samples))))
+    loops[BASELINE] = megatron_baseline(
+        spec, model_config(), ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
     )
-    baseline = megatron_baseline(
-        spec, baseline_config, ctx, samples[: args.micro_batch * args.micro_batches], args.seq, args.micro_batch, use_te
-    )
-    fused_s = time_steps(lambda: actor.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
-    naive = build_actor(
-        ctx,
-        spec,
-        build_gpt_chunks(
-            spec,
-            build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te),
-            ctx=ctx,
-            use_te=use_te,
-        ),
-        opt,
-        ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, fused_logprobs=False),
-    )
-    naive_s = time_steps(lambda: naive.compute_gradients(samples, indices), args.steps, args.warmup, ctx.device)
-    base_s = time_steps(baseline, args.steps, args.warmup, ctx.device)
-    report(
-        args,
-        spec,
-        ctx,
-        {
-            "dapo_mcore actor, fused log-prob head": statistics.median(fused_s),
-            "dapo_mcore actor, full-logits head": statistics.median(naive_s),
-            BASELINE: statistics.median(base_s),
-        },
-    )
+    times = time_in_turns(loops, args.steps, args.warmup, ctx.device)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    report(args, spec, ctx, seconds)
     destroy_parallel()
 
 

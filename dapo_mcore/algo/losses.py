@@ -19,6 +19,11 @@ mini-batch, whatever its split):
 
 Guard (RLinf's early_stop_imp_ratio): a micro-batch whose mean ratio over its loss tokens exceeds
 `early_stop_ratio` contributes neither loss nor denominator. Statistics come back as sums, never .item().
+
+Every mode is sum_it c_it l_it with c_it a constant of the mask, and l_it depends on its own token's log-prob
+and entropy only (the TIS weights and sequence masks come from old and rollout log-probs, detached). So the
+numerator's gradient is per token and known as soon as the token's log-prob is (`token_loss_grad`): the
+fused log-prob head applies it inside its forward chunk loop instead of recomputing logits in backward.
 """
 
 from __future__ import annotations
@@ -123,10 +128,20 @@ def dapo_loss(
         loss = loss - s.entropy_coeff * entropy_BT
     numerator, denominator = aggregate(loss, mask, s.agg_mode, s.norm_len)
     if s.early_stop_ratio is not None:
-        keep = ((stats["ratio"] / stats["tokens"].clamp(min=1)) <= s.early_stop_ratio).to(numerator.dtype)
+        keep = micro_batch_keep(stats, s).to(numerator.dtype)
         numerator, denominator = numerator * keep, denominator * keep
         stats["skipped_micro_batches"] = 1.0 - keep
     return numerator, denominator, stats
+
+
+def micro_batch_keep(stats: dict[str, torch.Tensor], s: LossSettings) -> torch.Tensor:
+    """1, or 0 for a micro-batch the early-stop guard drops: its mean ratio over loss tokens is too high.
+
+    A constant for autograd (the statistics are taken without gradient), so it scales the gradient too.
+    """
+    if s.early_stop_ratio is None:
+        return torch.ones((), dtype=stats["tokens"].dtype, device=stats["tokens"].device)
+    return ((stats["ratio"] / stats["tokens"].clamp(min=1)) <= s.early_stop_ratio).to(stats["tokens"].dtype)
 
 
 def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
@@ -148,19 +163,173 @@ def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
 
 def _mismatch_correction(pg, mask, old_logprobs, rollout_logprobs, s: LossSettings, stats):
     """Train/inference mismatch: importance weights of the trainer's old policy over the rollout engine's."""
-    if rollout_logprobs is None:
-        raise ValueError(f"tis={s.tis!r} needs the rollout engine's log-probs")
-    log_w = (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).detach()
+    log_w = _mismatch_log_weights(old_logprobs, rollout_logprobs, s)
     if s.tis == "token":
-        weight = log_w.exp().clamp(max=s.tis_cap)
+        weight = _tis_weight(log_w, s)
         stats["tis_weight"] = (weight * mask).sum()
         stats["tis_truncated"] = ((log_w.exp() > s.tis_cap) * mask).sum()
         return pg * weight, mask
-    seq_log_w = (log_w * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)  # geometric mean per sequence
-    inside = (seq_log_w.exp() >= s.seq_mask_low) & (seq_log_w.exp() <= s.seq_mask_high)
+    inside = _sequences_inside(log_w, mask, s)
     has_tokens = mask.sum(dim=-1) > 0
     stats["seq_masked"] = (~inside & has_tokens).to(mask.dtype).sum()
     return pg, mask * inside.to(mask.dtype).unsqueeze(-1)
+
+
+def _mismatch_log_weights(old_logprobs, rollout_logprobs, s: LossSettings) -> torch.Tensor:
+    if rollout_logprobs is None:
+        raise ValueError(f"tis={s.tis!r} needs the rollout engine's log-probs")
+    return (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).detach()
+
+
+def _tis_weight(log_w: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    return log_w.exp().clamp(max=s.tis_cap)
+
+
+def _sequences_inside(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    """[B] bool: the sequence's geometric-mean train/rollout ratio lies in [seq_mask_low, seq_mask_high]."""
+    seq_log_w_B = (log_w_BT * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return (seq_log_w_B.exp() >= s.seq_mask_low) & (seq_log_w_B.exp() <= s.seq_mask_high)
+
+
+# ---- the numerator's gradient per token, without autograd -----------------------------------------------
+# Literal transcriptions of autograd's rules for the ops dapo_loss uses, so that the two agree to round-off
+# at every boundary: clamp passes the gradient on [min, max] inclusive; torch.maximum / torch.minimum give
+# it to the winning argument and half to each on a tie (inside the clip range the clipped and unclipped
+# terms tie, and the halves add up to -A); abs passes sign(x), 0 at 0.
+@dataclass(frozen=True)
+class TokenLossTerms:
+    """Everything the gradient of one token's loss needs besides its log-prob: constants of the micro-batch.
+
+    Tensors have the tokens' shape: [B, T] from `token_loss_terms`, any other after `take`.
+    """
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    pg_weight: torch.Tensor  # d numerator / d pg: aggregation coefficient x mask (x the TIS weight)
+    agg_weight: torch.Tensor  # d numerator / d loss: aggregation coefficient x mask (KL and entropy terms)
+    ref_logprobs: torch.Tensor | None
+
+    def take(self, index) -> TokenLossTerms:
+        """The terms of the tokens `index` selects (an index tuple, a mask or a slice)."""
+        return TokenLossTerms(*(None if t is None else t[index] for t in vars(self).values()))
+
+
+def token_loss_terms(
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    s: LossSettings,
+    *,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    rollout_logprobs_BT: torch.Tensor | None = None,
+) -> TokenLossTerms:
+    """The per-token constants of `dapo_loss` with these arguments (known before the forward pass)."""
+    mask = mask_BT.to(old_logprobs_BT.dtype)
+    weight = None
+    if s.tis != "none":
+        log_w = _mismatch_log_weights(old_logprobs_BT, rollout_logprobs_BT, s)
+        if s.tis == "token":
+            weight = _tis_weight(log_w, s)
+        else:
+            mask = mask * _sequences_inside(log_w, mask, s).to(mask.dtype).unsqueeze(-1)
+    agg = _aggregation_weights(mask, s.agg_mode, s.norm_len)
+    return TokenLossTerms(
+        old_logprobs=old_logprobs_BT,
+        advantages=advantages_BT,
+        pg_weight=agg if weight is None else agg * weight,
+        agg_weight=agg,
+        ref_logprobs=ref_logprobs_BT if s.kl_beta > 0.0 else None,
+    )
+
+
+def _aggregation_weights(mask_BT: torch.Tensor, mode: str, norm_len: int) -> torch.Tensor:
+    """d numerator / d loss_it of `aggregate`: a function of the mask alone."""
+    if mode in ("token-mean", "seq-mean-token-sum"):
+        return mask_BT
+    if mode == "seq-mean-token-mean":
+        return mask_BT / mask_BT.sum(dim=-1, keepdim=True).clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        return mask_BT / norm_len
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def token_loss_grad(
+    logprobs: torch.Tensor, terms: TokenLossTerms, s: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d numerator / d logprobs, d numerator / d entropy or None when the loss has no entropy term), token by
+    token, before the early-stop guard's factor (`micro_batch_keep`). Any shape, the terms' shape."""
+    log_ratio = logprobs - terms.old_logprobs
+    ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    d_ratio = ratio * _inside(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    d_logprobs = terms.pg_weight * (_policy_grad(ratio, terms.advantages, s) * d_ratio)
+    if s.kl_beta > 0.0:
+        d_kl = _kl_grad(logprobs - terms.ref_logprobs, s.kl_estimator)
+        d_logprobs = d_logprobs + terms.agg_weight * (s.kl_beta * d_kl)
+    d_entropy = terms.agg_weight * -s.entropy_coeff if s.entropy_coeff > 0.0 else None
+    return d_logprobs, d_entropy
+
+
+def dapo_loss_grad(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    s: LossSettings,
+    *,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    rollout_logprobs_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d numerator / d logprobs_BT and d numerator / d entropy_BT (None: no entropy term) of `dapo_loss` with
+    the same arguments, guard included. (The entropy's value does not enter: the loss is linear in it.)"""
+    terms = token_loss_terms(
+        old_logprobs_BT,
+        advantages_BT,
+        mask_BT,
+        s,
+        ref_logprobs_BT=ref_logprobs_BT,
+        rollout_logprobs_BT=rollout_logprobs_BT,
+    )
+    d_logprobs, d_entropy = token_loss_grad(logprobs_BT, terms, s)
+    if s.early_stop_ratio is None:
+        return d_logprobs, d_entropy
+    ratio = (logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    keep = micro_batch_keep(_clip_stats(ratio, advantages_BT, mask_BT.to(ratio.dtype), s), s)
+    return d_logprobs * keep, None if d_entropy is None else d_entropy * keep
+
+
+def _inside(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return ((x >= low) & (x <= high)).to(x.dtype)
+
+
+def _share(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The share of torch.maximum(x, other)'s gradient that goes to x: 1, 1/2 on a tie, 0."""
+    return (x > other).to(x.dtype) + 0.5 * (x == other).to(x.dtype)
+
+
+def _policy_grad(ratio: torch.Tensor, adv: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    """d pg / d ratio, pg as dapo_loss computes it (clip-higher, then dual clip for A < 0)."""
+    low, high = 1.0 - s.clip_low, 1.0 + s.clip_high
+    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(low, high)
+    d_pg = _share(unclipped, clipped) * -adv + _share(clipped, unclipped) * (-adv * _inside(ratio, low, high))
+    if s.dual_clip_c is None:
+        return d_pg
+    pg, bound = torch.maximum(unclipped, clipped), -adv * s.dual_clip_c
+    return torch.where(adv < 0, d_pg * _share(bound, pg), d_pg)  # minimum(pg, bound): pg's share
+
+
+def _kl_grad(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """d KL / d logp of `kl_penalty`, with log_ratio = logp - logp_ref."""
+    if estimator == "kl":
+        return torch.ones_like(log_ratio)
+    if estimator == "abs":
+        return log_ratio.sign()
+    if estimator == "mse":
+        return log_ratio
+    if estimator == "low_var_kl":
+        neg = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        k3 = neg.exp() - neg - 1.0
+        return -(neg.exp() - 1.0) * _inside(k3, -10.0, 10.0) * _inside(-log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
 def stat_keys(s: LossSettings) -> tuple[str, ...]:

@@ -31,6 +31,11 @@ class ModelConfig:
     fused_logprobs: bool = True
     # Tokens per chunk of the fused computation (peak extra memory ~ 2 x chunk x vocab/TP x 4 bytes).
     logprob_chunk_size: int = 1024
+    # With fused_logprobs, in training: the DAPO loss's per-token gradient is taken inside the fused head's
+    # forward (its gradient depends only on each token's log-prob), so backward recomputes no logits: one
+    # [tokens x hidden x vocab/TP] matmul less per step, for d hidden [tokens, hidden] and d W [vocab/TP,
+    # hidden] kept from the loss's forward to its backward. false: recompute each chunk's logits in backward.
+    fused_loss_grad: bool = True
     # FP8 matmuls through Transformer Engine (bf16 model, GPU): "e4m3" or "hybrid" (e5m2 gradients).
     fp8: Literal["none", "e4m3", "hybrid"] = "none"
     # Scaling recipe: "blockwise" (Hopper and newer; stable on DAPO in the peers' reports), "delayed",

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.algo.losses import LossSettings, dapo_loss, stat_keys
+from dapo_mcore.algo.losses import (
+    LossSettings,
+    dapo_loss,
+    micro_batch_keep,
+    stat_keys,
+    token_loss_grad,
+    token_loss_terms,
+)
 from dapo_mcore.data.batching import (
     MicroBatch,
     balance_by_tokens,
@@ -35,7 +42,12 @@ from dapo_mcore.data.batching import (
     token_budget_micro_batches,
 )
 from dapo_mcore.data.types import Sample
-from dapo_mcore.mcore.fused_logprobs import chunked_logprobs, install_passthrough_head, output_weight
+from dapo_mcore.mcore.fused_logprobs import (
+    chunked_logprobs,
+    chunked_logprobs_with_loss_grad,
+    install_passthrough_head,
+    output_weight,
+)
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
 from dapo_mcore.mcore.provider import ModelSpec, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
@@ -54,6 +66,9 @@ class ActorSettings:
     # False: Megatron's output layer gives full logits and mcore/logprobs.py reduces them.
     fused_logprobs: bool = True
     logprob_chunk_size: int = 1024
+    # With fused_logprobs, in training: the loss's per-token gradient is applied inside the head's forward
+    # chunk loop (no logits recompute in backward; keeps d hidden [N, H] and d W [V/tp, H] until backward).
+    fused_loss_grad: bool = True
     # > 0: micro-batches hold at most this many (padded) tokens, and DP ranks get equal token counts;
     # 0: micro_batch_size rows each.
     max_tokens_per_micro_batch: int = 0
@@ -212,20 +227,18 @@ class PolicyRunner:
             )
         rows, cols = mb.response_mask.nonzero(as_tuple=True)  # only response positions are ever scored
         logp_N, entropy_N = chunked_logprobs(
-            output[rows, cols],
-            output_weight(self._head),
-            mb.labels[rows, cols],
-            vocab_start=self._vocab_start,
-            true_vocab=self.spec.vocab_size,
-            temperature=self.settings.temperature,
-            tp_group=self._tp_group,
-            chunk=self.settings.logprob_chunk_size,
+            output[rows, cols], output_weight(self._head), mb.labels[rows, cols], **self._head_kwargs()
         )
-        shape = mb.labels.shape
-        return (
-            logp_N.new_zeros(shape).index_put((rows, cols), logp_N),
-            entropy_N.new_zeros(shape).index_put((rows, cols), entropy_N),
-        )
+        return _to_bs(logp_N, (rows, cols), mb.labels.shape), _to_bs(entropy_N, (rows, cols), mb.labels.shape)
+
+    def _head_kwargs(self) -> dict[str, Any]:
+        return {
+            "vocab_start": self._vocab_start,
+            "true_vocab": self.spec.vocab_size,
+            "temperature": self.settings.temperature,
+            "tp_group": self._tp_group,
+            "chunk": self.settings.logprob_chunk_size,
+        }
 
     def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         logprobs_bs, _ = self._token_logprobs(mb, logits)
@@ -328,7 +341,13 @@ class MegatronActor(PolicyRunner):
         return totals
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
-        logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
+        anchor = None
+        # The head takes the loss gradient in its forward only for unpacked rows: its per-token constants are
+        # laid out per row, while packed rows hold several samples (TODO: regroup them as the loss does).
+        if self.settings.fused_logprobs and self.settings.fused_loss_grad and mb.sequence_index is None:
+            logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits)
+        else:
+            logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
         # The loss wants one row per sample (per-sequence aggregation and masks): packed rows are regrouped.
         per_seq = partial(to_sequences, sequence_index=mb.sequence_index)
         numerator, denominator, stats = dapo_loss(
@@ -341,6 +360,8 @@ class MegatronActor(PolicyRunner):
             ref_logprobs_BT=per_seq(mb.ref_logprobs),
             rollout_logprobs_BT=per_seq(mb.rollout_logprobs),
         )
+        if anchor is not None:  # the log-probs carried no gradient: the numerator's comes through the anchor
+            numerator = numerator + anchor * micro_batch_keep(stats, self.settings.loss)
         stats.update(
             loss=numerator.detach(),
             denominator=denominator.detach(),
@@ -350,6 +371,37 @@ class MegatronActor(PolicyRunner):
             computed_tokens=torch.tensor(float(mb.tokens.numel())),
         )
         return numerator, denominator.round().to(torch.int), stats
+
+    def _logprobs_with_loss_grad(self, mb: MicroBatch, hidden: torch.Tensor):
+        """[b, s] log-probs and entropies (no gradient) and the head's anchor carrying d numerator / d hidden, W.
+
+        dapo_loss's numerator is a sum of per-token terms whose constants are known before the forward
+        (algo/losses.py), so the fused head takes each chunk's gradient in its forward (no logits recompute).
+        """
+        s = self.settings.loss
+        rows, cols = mb.response_mask.nonzero(as_tuple=True)
+        terms_N = token_loss_terms(
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            s,
+            ref_logprobs_BT=mb.ref_logprobs,
+            rollout_logprobs_BT=mb.rollout_logprobs,
+        ).take((rows, cols))
+
+        def loss_grad(a: int, b: int, logp_C: torch.Tensor, _entropy_C: torch.Tensor):
+            return token_loss_grad(logp_C, terms_N.take(slice(a, b)), s)
+
+        logp_N, entropy_N, anchor = chunked_logprobs_with_loss_grad(
+            hidden[rows, cols],
+            output_weight(self._head),
+            mb.labels[rows, cols],
+            loss_grad,
+            entropy_grad=s.entropy_coeff > 0.0,  # dapo_loss's entropy term (else one [chunk, V/tp] buffer)
+            **self._head_kwargs(),
+        )
+        shape = mb.labels.shape
+        return _to_bs(logp_N, (rows, cols), shape), _to_bs(entropy_N, (rows, cols), shape), anchor
 
     def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
         """Sums live on the last stage of each DP replica: reduce over DP, then hand them to every stage."""
@@ -417,6 +469,11 @@ class MegatronActor(PolicyRunner):
         for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
             metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
         return metrics
+
+
+def _to_bs(values_N: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """[b, s] with values_N at the response positions `index`, 0 elsewhere."""
+    return values_N.new_zeros(shape).index_put(index, values_N)
 
 
 def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:

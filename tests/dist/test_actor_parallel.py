@@ -115,6 +115,18 @@ def test_fused_logprob_head_equals_full_logits(llama, tp, nproc):
     assert_same(llama.run(nproc, tp=tp), llama.run(nproc, tp=tp, naive_logprobs=True))
 
 
+@pytest.mark.parametrize("tp, nproc", [(1, 1), (2, 2)], ids=["tp1", "tp2"])
+def test_loss_gradient_taken_in_the_head_forward_equals_the_logits_recompute_path(llama, tp, nproc):
+    """The default head takes the DAPO loss's per-token gradient inside its forward chunk loop; the other
+    recomputes each chunk's logits in backward. Same losses and parameter gradients, with and without
+    the entropy bonus, for a token-level and a sequence-level aggregation."""
+    options = {"tp": tp, "loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}
+    in_forward, recompute = llama.run(nproc, **options), llama.run(nproc, recompute_logits=True, **options)
+    assert len(in_forward["runs"]) == 4
+    for run in in_forward["runs"]:
+        assert_same(in_forward, recompute, run=run, reference_run=run)
+
+
 def test_weight_export_gives_back_the_hf_checkpoint_bit_for_bit(llama):
     from safetensors.torch import load_file
 

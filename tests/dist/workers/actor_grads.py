@@ -3,11 +3,13 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
 
     torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
-             [--optimizer-step --dist-opt] [--packing off,mask --varied-samples]
+             [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
+             [--packing off,mask --varied-samples]
 
 Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as loaded,
          "logprobs_<packing>": the same per packing mode (with --packing),
-         "runs": {"<mode>/<micro batch size>/<token budget>[/<packing>]": {"loss", "grads"}} (no suffix: off),
+         "runs": {"<mode>/<micro batch size>/<token budget>[/<packing>][/entropy <coeff>]": {"loss", "grads"}}
+                 (no packing suffix: off),
          "stepped": HF-named weights after one optimizer step (with --optimizer-step)}.
 """
 
@@ -45,7 +47,7 @@ def build(args, mbs):
                             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1.0, use_distributed_optimizer=args.dist_opt)
     # chunk=5 tokens: many chunks per micro-batch, so the chunk loop itself is exercised
     settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=not args.naive_logprobs,
-                             logprob_chunk_size=5)
+                             logprob_chunk_size=5, fused_loss_grad=not args.recompute_logits)
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
@@ -112,6 +114,9 @@ def main():
     ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
     ap.add_argument("--naive-logprobs", action="store_true", help="full logits instead of the fused head")
+    ap.add_argument("--recompute-logits", action="store_true",
+                    help="fused head without the loss gradient in its forward: backward recomputes logits")
+    ap.add_argument("--entropy-coeffs", default="0", help="entropy bonus coefficients to run (0: none)")
     ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
@@ -129,14 +134,16 @@ def main():
     for packing in packings[1:]:
         actor.settings = dataclasses.replace(actor.settings, packing=packing)
         result[f"logprobs_{packing}"] = token_logprobs(actor, samples)
-    for mode, budget, mbs, packing in itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings):
-        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13)
+    runs = itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings, args.entropy_coeffs.split(","))
+    for mode, budget, mbs, packing, entropy in runs:
+        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13, entropy_coeff=float(entropy))
         actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
                                              max_tokens_per_micro_batch=budget, packing=packing)
         totals = actor.compute_gradients(samples, list(range(len(samples))))
         grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
-        suffix = "" if packing == "off" else f"/{packing}"
-        result["runs"][f"{mode}/{mbs}/{budget}{suffix}"] = {"loss": loss_of(ctx, totals), "grads": grads}
+        key = f"{mode}/{mbs}/{budget}" + ("" if packing == "off" else f"/{packing}")
+        key += f"/entropy {entropy}" if float(entropy) else ""
+        result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads}
     if args.optimizer_step:
         actor.settings = dataclasses.replace(actor.settings, micro_batch_size=sizes[0], max_tokens_per_micro_batch=0,
                                              packing=packings[0],
