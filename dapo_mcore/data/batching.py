@@ -12,6 +12,7 @@ sample's first token). Legend there: B samples of the micro-batch, L their longe
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +118,7 @@ def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micr
     return [padded[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(n_micro)]
 
 
-def balance_by_tokens(indices: list[int], lengths: list[int], dp_size: int) -> list[list[int]]:
+def balance_by_tokens(indices: list[int], lengths: Sequence[int] | Mapping[int, int], dp_size: int) -> list[list[int]]:
     """Deal samples to DP ranks so their token counts are as equal as greedy can make them (longest first,
     each to the least-loaded rank). Deterministic: ties go to the lower rank and the earlier sample."""
     loads, parts = [0] * dp_size, [[] for _ in range(dp_size)]
@@ -162,17 +163,10 @@ def balanced_rows(lengths: dict[int, int], row_len: int, group: int) -> list[lis
     length shrink to the fullest row, and balanced rows balance DP ranks. Deterministic (ties: lower row,
     earlier sample), so every rank computes the same rows.
     """
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
     n_rows = max(1, round_up(-(-sum(lengths.values()) // row_len), group))
     while True:
-        loads, rows = [0] * n_rows, [[] for _ in range(n_rows)]
-        for i in order:
-            r = min(range(n_rows), key=lambda r: (loads[r], r))
-            if loads[r] + lengths[i] > row_len:
-                break  # the least-loaded row has the most room: no row fits this sample
-            rows[r].append(i)
-            loads[r] += lengths[i]
-        else:
+        rows = balance_by_tokens(list(lengths), lengths, n_rows)  # the same greedy as DP balancing
+        if all(sum(lengths[i] for i in row) <= row_len for row in rows):
             return rows
         n_rows += group
 
