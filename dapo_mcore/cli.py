@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
     args = _parser().parse_args(argv)
     if as_command:
-        install_stop_handlers()  # SIGUSR1 / SIGTERM: save at the next step boundary, exit 75
+        install_stop_handlers()  # SIGUSR1 / SIGTERM: save at the next step boundary, exit 75; SIGINT: 130
     rank = os.environ.get("RANK", "0")
     try:
         return args.func(args)

@@ -14,6 +14,11 @@ which the CLI turns into exit code 75 (EX_TEMPFAIL: "saved, run me again"). The 
 job on that code, and the re-queued job resumes from the save. After SIGTERM the step has
 `checkpoint.sigterm_grace_s` seconds to reach its boundary; after that (or at a second SIGTERM) the run
 unwinds at once as before (`Terminated`, exit 143), keeping every complete save.
+
+SIGINT (Ctrl-C) raises KeyboardInterrupt at once (exit 130, no save), and is also remembered: Python drops an
+exception raised where it cannot propagate ("Exception ignored in ..."), e.g. in logging's at-fork hook when
+the signal lands while the checkpoint writer forks. A run whose KeyboardInterrupt was dropped so would
+train on; every rank stops at the next step boundary instead (`agreed_stop` returns "SIGINT").
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +56,7 @@ class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
 @dataclass
 class _StopState:
     reason: str | None = None  # "SIGUSR1" / "SIGTERM" once one arrived
+    interrupted: bool = False  # SIGINT arrived (its KeyboardInterrupt may have been dropped: module doc)
     save_on_signal: bool = True
     sigterm_grace_s: float = 20.0
 
@@ -58,8 +65,11 @@ _state = _StopState()
 
 
 def install_stop_handlers() -> None:
-    """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary."""
-    _state.reason = None
+    """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary;
+    SIGINT stops at once, or at the next boundary where its KeyboardInterrupt was dropped."""
+    _state.reason, _state.interrupted = None, False
+    sys.unraisablehook = _quiet_about_dropped_interrupts
+    signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGUSR1, _on_usr1)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGALRM, _on_grace_over)
@@ -71,6 +81,8 @@ def configure_stop(save_on_signal: bool, sigterm_grace_s: float) -> None:
 
 def requested_stop() -> str | None:
     """Why this rank was asked to stop, if it was: a signal, or the stop file named by DAPO_STOP_FILE."""
+    if _state.interrupted:
+        return "SIGINT"
     if _state.reason is None:
         stop_file = os.environ.get(STOP_FILE_ENV)
         if stop_file and os.path.exists(stop_file):
@@ -84,13 +96,27 @@ def agreed_stop() -> str | None:
     from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
 
     reasons = [r for r in all_gather_objects(requested_stop()) if r is not None]
-    return "SIGTERM" if "SIGTERM" in reasons else (reasons[0] if reasons else None)
+    for most_urgent in ("SIGINT", "SIGTERM"):
+        if most_urgent in reasons:
+            return most_urgent
+    return reasons[0] if reasons else None
 
 
 def cancel_grace() -> None:
     """At the boundary: the save that follows is not cut short by the grace timer (Slurm's SIGKILL may still
     cut it; a partial save is never taken for a complete one and is removed at the next start)."""
     signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _on_sigint(signum, frame) -> None:
+    _state.interrupted = True
+    raise KeyboardInterrupt
+
+
+def _quiet_about_dropped_interrupts(unraisable) -> None:
+    """A dropped KeyboardInterrupt is handled at the step boundary: no "Exception ignored" traceback for it."""
+    if unraisable.exc_type is not KeyboardInterrupt:
+        sys.__unraisablehook__(unraisable)
 
 
 def _on_usr1(signum, frame) -> None:

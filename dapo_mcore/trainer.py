@@ -80,6 +80,8 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
     reason = agreed_stop()
     if reason is None:
         return
+    if reason == "SIGINT":  # its KeyboardInterrupt was dropped on some rank (dapo_mcore.launch): stop at once
+        raise KeyboardInterrupt
     cancel_grace()
     trained_since_save = next_step != (saved_step if saved_step is not None else 0)
     path = save(run, next_step) if trained_since_save else None

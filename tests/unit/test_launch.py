@@ -1,10 +1,12 @@
 """The stop handlers of dapo_mcore.launch, in this process: a signal only records a stop request, the grace
-after SIGTERM ends in Terminated, and a second SIGTERM ends the run at once."""
+after SIGTERM ends in Terminated, a second SIGTERM ends the run at once, and a SIGINT whose KeyboardInterrupt
+Python dropped still stops the run at the next step boundary."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -15,10 +17,13 @@ from dapo_mcore.utils.processes import Terminated
 
 @pytest.fixture
 def handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    saved_hook = sys.unraisablehook
     launch.install_stop_handlers()
     launch.configure_stop(save_on_signal=True, sigterm_grace_s=20.0)
     yield
+    sys.unraisablehook = saved_hook
     launch.cancel_grace()
     for sig, handler in saved.items():
         signal.signal(sig, handler)
@@ -72,3 +77,50 @@ def test_the_stop_file_of_the_batch_script_is_a_stop_request(handlers, tmp_path,
     assert launch.requested_stop() is None
     stop_file.touch()  # slurm/train.sbatch on Slurm's USR1
     assert launch.requested_stop() == "Slurm's time-limit warning"
+
+
+class _InterruptedFinalizer:
+    """A finalizer that gets SIGINT: Python prints "Exception ignored in ..." and drops the KeyboardInterrupt,
+    as it does in logging's at-fork hook when Ctrl-C lands while the checkpoint writer forks."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs here
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # pytest's hook saw it: a failure
+def test_a_sigint_whose_keyboard_interrupt_was_dropped_is_still_a_stop_request(handlers, capsys):
+    assert launch.requested_stop() is None
+    _InterruptedFinalizer()  # collected at once: no exception reaches this frame
+    assert launch.requested_stop() == "SIGINT"
+    assert capsys.readouterr().err == ""  # no "Exception ignored ... Traceback" for it
+
+
+def test_sigint_raises_keyboard_interrupt_at_once(handlers):
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "agreed"),
+    [
+        ([None, None], None),
+        ([None, "SIGUSR1"], "SIGUSR1"),
+        (["SIGUSR1", "SIGTERM"], "SIGTERM"),
+        (["SIGTERM", "SIGINT", None], "SIGINT"),  # a dropped Ctrl-C on one rank stops every rank at once
+    ],
+)
+def test_every_rank_agrees_on_the_most_urgent_stop(monkeypatch, per_rank, agreed):
+    import dapo_mcore.parallel
+
+    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: per_rank)
+    assert launch.agreed_stop() == agreed
+
+
+def test_the_trainer_ends_a_run_whose_sigint_was_dropped_at_the_step_boundary(monkeypatch):
+    from dapo_mcore import trainer
+
+    monkeypatch.setattr(trainer, "agreed_stop", lambda: "SIGINT")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: SIGINT means now
