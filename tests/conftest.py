@@ -14,6 +14,21 @@ REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "dist", "gpu", "e2e", "engines", "faults", "slurm")
 
 
+# The suite writes checkpoints of small models and SmolLM2 (one save is 2 GiB) under pytest's base temp dir.
+SUITE_FREE_GIB = 4
+
+
+def pytest_sessionstart(session):
+    """Stop at once, with the reason, where the disk is too full for the suite (rather than fail in a save)."""
+    import shutil
+    import tempfile
+
+    where = tempfile.gettempdir()
+    free_gib = shutil.disk_usage(where).free / 2**30
+    if free_gib < SUITE_FREE_GIB:
+        pytest.exit(f"{free_gib:.1f} GiB free in {where}; the test suite needs about {SUITE_FREE_GIB} GiB", 2)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
