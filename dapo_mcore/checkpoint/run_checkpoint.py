@@ -93,6 +93,7 @@ class CheckpointManager:
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
         _writer_results_queue_dies_with_us()
         self._async_queue = None
+        self._writing: tuple[Path, Path] | None = None  # a background save's (tmp, final) until it completes
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -133,6 +134,7 @@ class CheckpointManager:
             request = dist_checkpointing.save(state, str(tmp), validate_access_integrity=False, async_sharded_save=True)
             request.add_finalize_fn(finish)
             self._async_queue.schedule_async_request(request)
+            self._writing = (tmp, final)
             log.info("checkpoint %s: writing in the background (%.1f s blocked)", final, time.perf_counter() - start)
         else:
             try:
@@ -172,13 +174,25 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """Complete a background save whose shards are written (collective; call once per step)."""
-        if self._async_queue is not None:
-            self._async_queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize_background_save(blocking=False)
 
     def wait(self) -> None:
         """Block until a background save is complete (collective)."""
-        if self._async_queue is not None:
-            self._async_queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize_background_save(blocking=True)
+
+    def _finalize_background_save(self, blocking: bool) -> None:
+        """A background save that failed (a full disk in the writer process, on any rank: Megatron-Core raises
+        it on every rank when finalizing) ends like a failed synchronous one (_abandon)."""
+        if self._async_queue is None or self._writing is None:
+            return
+        try:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, CheckpointException) as err:
+            tmp, final = self._writing
+            self._writing = None
+            self._abandon(tmp, final, err)
+        if self._async_queue.get_num_unfinalized_calls() == 0:
+            self._writing = None
 
     def _complete(self, tmp: Path, final: Path, start: float) -> None:
         dist.barrier()  # every rank's shards are on disk
