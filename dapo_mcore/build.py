@@ -20,6 +20,7 @@ from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
+from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import eval_file_list, run_dir_of
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
@@ -34,12 +35,9 @@ from dapo_mcore.mcore.actor import (
     build_reference,
 )
 from dapo_mcore.mcore.provider import (
-    ModelSpec,
     build_gpt_chunks,
     build_transformer_config,
     check_model_layout,
-    load_hf_config,
-    read_model_spec,
     resolve_transformer_impl,
 )
 from dapo_mcore.parallel import (

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapo_mcore.config import RunConfig, load_config, parse_override
+from dapo_mcore.config.model_spec import read_model_spec
 from dapo_mcore.utils.errors import ConfigError, LayoutError
 
 GIB = 1 << 30
@@ -66,8 +67,8 @@ Kind = Literal["actor", "engine", "overhead"]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture from a Llama / Qwen2 / Qwen3 config.json: the fields mcore/provider.py reads (that module
-    imports torch; tests/unit/test_plan.py checks the two agree)."""
+    """The sizes the arithmetic below needs, from the ModelSpec every other part reads (one parser of
+    config.json: dapo_mcore.config.model_spec)."""
 
     model_type: str
     vocab: int
@@ -84,24 +85,21 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
-        try:
-            heads, model_type = hf["num_attention_heads"], hf.get("model_type", "")
-            return cls(
-                model_type=model_type,
-                vocab=hf["vocab_size"],
-                hidden=hf["hidden_size"],
-                layers=hf["num_hidden_layers"],
-                heads=heads,
-                kv_heads=hf.get("num_key_value_heads") or heads,
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-                ffn=hf["intermediate_size"],
-                tied=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
-                max_positions=hf.get("max_position_embeddings", 4096),
-            )
-        except KeyError as err:
-            raise ConfigError(f"config.json has no {err.args[0]!r}: not a Llama-style decoder config") from None
+        spec = read_model_spec(hf)
+        return cls(
+            model_type=spec.model_type,
+            vocab=spec.vocab_size,
+            hidden=spec.hidden_size,
+            layers=spec.num_layers,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            ffn=spec.ffn_hidden_size,
+            tied=spec.tie_word_embeddings,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
+            max_positions=spec.max_position_embeddings,
+        )
 
     @property
     def q(self) -> int:

@@ -30,15 +30,10 @@ from pathlib import Path
 import torch
 
 from dapo_mcore.algo.losses import LossSettings
+from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
-from dapo_mcore.mcore.provider import (
-    build_gpt_chunks,
-    build_transformer_config,
-    load_hf_config,
-    read_model_spec,
-    resolve_transformer_impl,
-)
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, resolve_transformer_impl
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 
 BASELINE = "Megatron-Core fwd/bwd + CE (baseline)"

@@ -104,8 +104,8 @@ def measure(model: str, budget: int, recompute: str) -> dict:
     import torch
 
     from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
+    from dapo_mcore.config.model_spec import read_model_spec
     from dapo_mcore.mcore.actor import build_actor
-    from dapo_mcore.mcore.provider import read_model_spec
     from dapo_mcore.parallel import destroy_parallel, init_parallel
 
     torch.set_num_threads(2)

@@ -27,7 +27,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp), *sys.argv]
         os.execv(sys.executable, cmd)
     from dapo_mcore.checkpoint.conversion import check_conversion, default_prompts
-    from dapo_mcore.mcore.provider import load_hf_config, read_model_spec
+    from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
     from dapo_mcore.parallel import destroy_parallel
 
     try:

@@ -34,14 +34,8 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     read_format,
     write_manifest,
 )
-from dapo_mcore.mcore.provider import (
-    ModelSpec,
-    build_gpt_chunks,
-    build_transformer_config,
-    check_model_layout,
-    load_hf_config,
-    read_model_spec,
-)
+from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, check_model_layout
 from dapo_mcore.mcore.sharding import TPSplit, gather_full, global_named_parameters, tp_split_of
 from dapo_mcore.parallel import ParallelContext, init_parallel
 from dapo_mcore.utils.errors import CheckpointError, DapoError

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dapo_mcore.checkpoint.hf_io import copy_hf_files
-from dapo_mcore.mcore.provider import ModelSpec
+from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.utils.errors import CheckpointError
 

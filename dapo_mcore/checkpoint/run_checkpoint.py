@@ -44,7 +44,7 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     verify_complete,
     write_manifest,
 )
-from dapo_mcore.mcore.provider import ModelSpec
+from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, on_rank0
 from dapo_mcore.utils.errors import CheckpointError

@@ -27,6 +27,7 @@ from dapo_mcore.algo.losses import (
     token_loss_grad,
     token_loss_terms,
 )
+from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.data.batching import (
     MicroBatch,
     balance_by_tokens,
@@ -49,7 +50,7 @@ from dapo_mcore.mcore.fused_logprobs import (
     output_weight,
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
-from dapo_mcore.mcore.provider import ModelSpec, padded_vocab_size
+from dapo_mcore.mcore.provider import padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
 

@@ -13,9 +13,10 @@ import torch
 
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
+from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
 from dapo_mcore.data.types import Sample
 from dapo_mcore.mcore.actor import ActorSettings, build_reference
-from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, load_hf_config, read_model_spec
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 from dapo_mcore.rollout.model_info import stop_token_ids
 

@@ -7,7 +7,7 @@ import pytest
 
 from dapo_mcore.checkpoint.model_checkpoint import check_model_spec
 from dapo_mcore.config import load_config, validate
-from dapo_mcore.mcore.provider import read_model_spec
+from dapo_mcore.config.model_spec import read_model_spec
 from dapo_mcore.utils.errors import CheckpointError, ConfigError
 from dapo_mcore.utils.metrics_log import roll_back_metrics
 from tests.helpers import tiny_hf_config

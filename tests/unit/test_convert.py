@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
-from dapo_mcore.mcore.provider import read_model_spec
+from dapo_mcore.config.model_spec import read_model_spec
 from dapo_mcore.mcore.sharding import TPSplit, shard_of
 from tests.helpers import tiny_hf_config
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dapo_mcore.config import load_config
-from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, read_model_spec
+from dapo_mcore.config.model_spec import read_model_spec
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 from dapo_mcore.plan import GIB, ModelShape, plan_command, plan_memory, stage_params
 from dapo_mcore.utils.errors import ConfigError
@@ -92,7 +93,7 @@ def test_per_rank_parameters_equal_the_megatron_model_the_provider_builds(one_pr
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3"])
-def test_the_planner_reads_config_json_as_the_provider_does(family):
+def test_the_planner_sizes_the_model_the_provider_reads(family):
     for hf in (hf_dict(family), hf_dict(family, tie=True), qwen_7b()):
         shape, spec = ModelShape.from_hf(hf), read_model_spec(hf)
         assert (shape.vocab, shape.hidden, shape.layers, shape.ffn, shape.tied) == (
@@ -271,3 +272,12 @@ def test_planning_imports_no_torch_and_no_engine():
     code = f"import sys, dapo_mcore.plan; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[]"
+
+
+def test_a_config_json_the_provider_refuses_is_refused_by_the_planner_with_the_same_line():
+    hf = {**qwen_7b(), "use_sliding_window": True}
+    with pytest.raises(ConfigError, match="use_sliding_window=true is not supported"):
+        ModelShape.from_hf(hf)
+    no_heads = {k: v for k, v in qwen_7b().items() if k != "num_attention_heads"}
+    with pytest.raises(ConfigError, match="config.json has no 'num_attention_heads'"):
+        read_model_spec(no_heads)

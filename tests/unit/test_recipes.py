@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dapo_mcore.config import load_config, validate
-from dapo_mcore.mcore.provider import check_model_layout, read_model_spec
+from dapo_mcore.config.model_spec import read_model_spec
+from dapo_mcore.mcore.provider import check_model_layout
 from dapo_mcore.plan import GIB, plan_memory
 
 REPO = Path(__file__).resolve().parents[2]

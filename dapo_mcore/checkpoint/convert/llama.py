@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_mcore.mcore.provider import ModelSpec
+from dapo_mcore.config.model_spec import ModelSpec
 
 Tensors = list[torch.Tensor]
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
-from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config, load_hf_config, read_model_spec
+from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
+from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.parallel import all_gather_objects, destroy_parallel, init_parallel
 from dapo_mcore.weight_sync import WeightExporter
 from tests.helpers import random_samples
