@@ -8,7 +8,6 @@ from hypothesis import given, settings
 
 from tests.loss_properties import loss_batches, part_gradient, whole_gradient
 
-
 INFORMATIVE = []  # examples where the ranks hold different token counts: a wrong normalisation shows there
 
 
