@@ -343,9 +343,7 @@ class MegatronActor(PolicyRunner):
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         anchor = None
-        # The head takes the loss gradient in its forward only for unpacked rows: its per-token constants are
-        # laid out per row, while packed rows hold several samples (TODO: regroup them as the loss does).
-        if self.settings.fused_logprobs and self.settings.fused_loss_grad and mb.sequence_index is None:
+        if self.settings.fused_logprobs and self.settings.fused_loss_grad:
             logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits)
         else:
             logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
@@ -378,17 +376,20 @@ class MegatronActor(PolicyRunner):
 
         dapo_loss's numerator is a sum of per-token terms whose constants are known before the forward
         (algo/losses.py), so the fused head takes each chunk's gradient in its forward (no logits recompute).
+        The constants are computed in the loss's layout, one row per sample (packed rows are regrouped, as
+        for the loss), and the head sees the same response tokens at their places in the micro-batch.
         """
         s = self.settings.loss
-        rows, cols = mb.response_mask.nonzero(as_tuple=True)
+        per_seq = partial(to_sequences, sequence_index=mb.sequence_index)
+        in_sequences, (rows, cols) = _response_positions(mb)
         terms_N = token_loss_terms(
-            mb.old_logprobs,
-            mb.advantages,
-            mb.loss_mask,
+            per_seq(mb.old_logprobs),
+            per_seq(mb.advantages),
+            per_seq(mb.loss_mask),
             s,
-            ref_logprobs_BT=mb.ref_logprobs,
-            rollout_logprobs_BT=mb.rollout_logprobs,
-        ).take((rows, cols))
+            ref_logprobs_BT=per_seq(mb.ref_logprobs),
+            rollout_logprobs_BT=per_seq(mb.rollout_logprobs),
+        ).take(in_sequences)
 
         def loss_grad(a: int, b: int, logp_C: torch.Tensor, _entropy_C: torch.Tensor):
             return token_loss_grad(logp_C, terms_N.take(slice(a, b)), s)
@@ -470,6 +471,15 @@ class MegatronActor(PolicyRunner):
         for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
             metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
         return metrics
+
+
+def _response_positions(mb: MicroBatch) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The response tokens as (sample, position) in the loss's one-row-per-sample layout and, in the same
+    order, as (row, column) in the micro-batch (the same pairs when rows are not packed)."""
+    in_sequences = to_sequences(mb.response_mask, mb.sequence_index).nonzero(as_tuple=True)
+    if mb.sequence_index is None:
+        return in_sequences, in_sequences
+    return in_sequences, (mb.sequence_index[0][in_sequences], mb.sequence_index[1][in_sequences])
 
 
 def _to_bs(values_N: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> torch.Tensor:

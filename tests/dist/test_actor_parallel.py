@@ -71,9 +71,17 @@ def test_gradient_is_the_same_for_any_token_budget(single, mode):
         assert_same(single, single, run=f"{mode}/4/{budget}", reference_run=f"{mode}/4/0")
 
 
-@pytest.mark.parametrize("nproc, options", [
-    (2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (2, {}), (2, {"tp": 2, "sp": True}),
-], ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2+sp"])
+@pytest.mark.parametrize(
+    "nproc, options",
+    [
+        (2, {"tp": 2}),
+        (2, {"pp": 2}),
+        (4, {"tp": 2, "pp": 2}),
+        (2, {}),
+        (2, {"tp": 2, "sp": True}),
+    ],
+    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2+sp"],
+)
 def test_layout_matches_the_single_process_run(llama, single, nproc, options):
     assert_same(llama.run(nproc, **options), single)
 
@@ -100,8 +108,10 @@ def test_activation_recompute_gives_the_same_gradients(llama, single, recompute)
 
 def test_distributed_optimizer_step_matches_the_single_process_step(llama):
     reference = llama.run(optimizer_step=True)
-    for result in (llama.run(2, optimizer_step=True, dist_opt=True), llama.run(2, tp=2, optimizer_step=True,
-                                                                              dist_opt=True)):
+    for result in (
+        llama.run(2, optimizer_step=True, dist_opt=True),
+        llama.run(2, tp=2, optimizer_step=True, dist_opt=True),
+    ):
         moved = 0.0
         for name, weight in reference["stepped"].items():
             torch.testing.assert_close(result["stepped"][name], weight, rtol=0, atol=1e-6, msg=name)
@@ -164,16 +174,37 @@ def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):
 PACKED_BUDGET = 64  # the longest varied sample is exactly this long: it fills a packed row alone
 
 
-@pytest.mark.parametrize("nproc, options", [
-    (1, {}), (2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (2, {}),
-], ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"])
+@pytest.mark.parametrize(
+    "nproc, options",
+    [
+        (1, {}),
+        (2, {"tp": 2}),
+        (2, {"pp": 2}),
+        (4, {"tp": 2, "pp": 2}),
+        (2, {}),
+    ],
+    ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"],
+)
 def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(llama, nproc, options):
     """Samples of 3 to 64 tokens (one with a single response token) packed under a block-diagonal causal mask,
     in rows of the longest sample (4 per micro-batch) or of the token budget, against one padded length."""
-    result = llama.run(nproc, packing="off,mask", varied_samples=True, loss_agg_modes=ALL_MODES,
-                       max_tokens=f"0,{PACKED_BUDGET}")
+    result = llama.run(
+        nproc, packing="off,mask", varied_samples=True, loss_agg_modes=ALL_MODES, max_tokens=f"0,{PACKED_BUDGET}"
+    )
     for got, want in zip(result["logprobs_mask"], result["logprobs"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=GRAD_ATOL)
     for mode in LOSS_AGG_MODES:
         for budget in (0, PACKED_BUDGET):
             assert_same(result, result, run=f"{mode}/4/{budget}/mask", reference_run=f"{mode}/4/0")
+
+
+def test_packed_rows_take_the_loss_gradient_in_the_head_forward_as_the_recompute_path_does(llama):
+    """Packed rows hold several samples; the head's per-token loss constants are laid out per sample and
+    mapped to the tokens' places in the rows. Same losses and gradients as recomputing the logits, with and
+    without the entropy bonus, at TP=2."""
+    options = {"tp": 2, "packing": "mask", "varied_samples": True, "max_tokens": PACKED_BUDGET,
+               "loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}  # fmt: skip
+    in_forward, recompute = llama.run(2, **options), llama.run(2, recompute_logits=True, **options)
+    assert len(in_forward["runs"]) == 4
+    for run in in_forward["runs"]:
+        assert_same(in_forward, recompute, run=run, reference_run=run)

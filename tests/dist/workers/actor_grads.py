@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
-from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
 from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
+from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
 from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.parallel import all_gather_objects, destroy_parallel, init_parallel
 from dapo_mcore.weight_sync import WeightExporter
@@ -36,19 +36,45 @@ def build(args, mbs):
     if ctx.device.type == "cuda":  # fp32 comparisons: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     spec = read_model_spec(load_hf_config(args.hf_dir))
-    config = build_transformer_config(spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu,
-                                      use_te=args.te, vpp=args.vpp, sequence_parallel=args.sp,
-                                      recompute=args.recompute, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+    config = build_transformer_config(
+        spec,
+        tp=args.tp,
+        pp=args.pp,
+        dtype=args.dtype,
+        on_cpu=ctx.is_cpu,
+        use_te=args.te,
+        vpp=args.vpp,
+        sequence_parallel=args.sp,
+        recompute=args.recompute,
+        fp8=args.fp8,
+        fp8_recipe=args.fp8_recipe,
+    )
     chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=args.te)
     family = LlamaFamilyMap(spec, te_layer_names=args.te)
     load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp)
     # Adam with eps=1: the first update is ~ lr * g, linear in the gradient, so layouts can be compared to
     # round-off (with eps=1e-8 it is ~ lr * sign(g), which turns 1e-9 gradient noise into lr-sized jumps).
-    opt = OptimizerSettings(lr=1.0, min_lr=0.0, warmup_steps=0, total_steps=1, weight_decay=0.1, clip_grad=0.05,
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1.0, use_distributed_optimizer=args.dist_opt)
+    opt = OptimizerSettings(
+        lr=1.0,
+        min_lr=0.0,
+        warmup_steps=0,
+        total_steps=1,
+        weight_decay=0.1,
+        clip_grad=0.05,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1.0,
+        use_distributed_optimizer=args.dist_opt,
+    )
     # chunk=5 tokens: many chunks per micro-batch, so the chunk loop itself is exercised
-    settings = ActorSettings(micro_batch_size=mbs, temperature=0.9, pad_id=0, fused_logprobs=not args.naive_logprobs,
-                             logprob_chunk_size=5, fused_loss_grad=not args.recompute_logits)
+    settings = ActorSettings(
+        micro_batch_size=mbs,
+        temperature=0.9,
+        pad_id=0,
+        fused_logprobs=not args.naive_logprobs,
+        logprob_chunk_size=5,
+        fused_loss_grad=not args.recompute_logits,
+    )
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
 
@@ -115,8 +141,11 @@ def main():
     ap.add_argument("--max-tokens", default="0", help="token budgets per micro-batch (0: micro-batch sizes)")
     ap.add_argument("--loss-agg-modes", default="token-mean")
     ap.add_argument("--naive-logprobs", action="store_true", help="full logits instead of the fused head")
-    ap.add_argument("--recompute-logits", action="store_true",
-                    help="fused head without the loss gradient in its forward: backward recomputes logits")
+    ap.add_argument(
+        "--recompute-logits",
+        action="store_true",
+        help="fused head without the loss gradient in its forward: backward recomputes logits",
+    )
     ap.add_argument("--entropy-coeffs", default="0", help="entropy bonus coefficients to run (0: none)")
     ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
@@ -129,26 +158,34 @@ def main():
     budgets, packings = [int(x) for x in args.max_tokens.split(",")], args.packing.split(",")
     samples = varied_samples(max(budgets)) if args.varied_samples else random_samples(args.samples, seed=7)
     gpt = actor.chunks[0].module
-    result = {"logprobs": token_logprobs(actor, samples), "runs": {},
-              "rope_inv_freq": gpt.rotary_pos_emb.inv_freq.clone() if hasattr(gpt, "rotary_pos_emb") else None,
-              "weights": {name: t.clone() for name, t in exporter.hf_weights()}}
+    result = {
+        "logprobs": token_logprobs(actor, samples),
+        "runs": {},
+        "rope_inv_freq": gpt.rotary_pos_emb.inv_freq.clone() if hasattr(gpt, "rotary_pos_emb") else None,
+        "weights": {name: t.clone() for name, t in exporter.hf_weights()},
+    }
     for packing in packings[1:]:
         actor.settings = dataclasses.replace(actor.settings, packing=packing)
         result[f"logprobs_{packing}"] = token_logprobs(actor, samples)
     runs = itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings, args.entropy_coeffs.split(","))
     for mode, budget, mbs, packing, entropy in runs:
         loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13, entropy_coeff=float(entropy))
-        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=mbs, loss=loss,
-                                             max_tokens_per_micro_batch=budget, packing=packing)
+        actor.settings = dataclasses.replace(
+            actor.settings, micro_batch_size=mbs, loss=loss, max_tokens_per_micro_batch=budget, packing=packing
+        )
         totals = actor.compute_gradients(samples, list(range(len(samples))))
         grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
         key = f"{mode}/{mbs}/{budget}" + ("" if packing == "off" else f"/{packing}")
         key += f"/entropy {entropy}" if float(entropy) else ""
         result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads}
     if args.optimizer_step:
-        actor.settings = dataclasses.replace(actor.settings, micro_batch_size=sizes[0], max_tokens_per_micro_batch=0,
-                                             packing=packings[0],
-                                             loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"))
+        actor.settings = dataclasses.replace(
+            actor.settings,
+            micro_batch_size=sizes[0],
+            max_tokens_per_micro_batch=0,
+            packing=packings[0],
+            loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"),
+        )
         actor.train_step(samples, [list(range(len(samples)))])
         result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
     if ctx.rank == 0:
