@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,27 @@ from dapo_mcore.config.schema import RunConfig
 from dapo_mcore.utils.errors import ConfigError
 
 _DEFAULTS_KEY = "defaults"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true / false. YAML 1.1 also reads on / off / yes /
+    no as booleans, which turned `trainer.packing=off` into False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+# where the schema wants a boolean, YAML 1.1's spellings still mean one
+_YAML11_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
@@ -40,7 +62,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override '{text}' is not of the form section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"override '{text}': the value is not valid YAML ({err})") from None
     return key.strip(), value
@@ -76,7 +98,7 @@ def _load_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
         where = f" (named in defaults of {chain[-1]})" if chain else ""
         raise ConfigError(f"config file not found: {path}{where}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -166,6 +188,7 @@ def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
             raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}")
         return value
     if ftype is bool:
+        value = _YAML11_BOOLS.get(value.lower(), value) if isinstance(value, str) else value
         if not isinstance(value, bool):
             raise ConfigError(f"'{dotted}' must be true or false, got {value!r}")
         return value

@@ -59,6 +59,19 @@ def test_yaml_1_1_exponent_strings_are_read_as_floats(tmp_path):
     assert load_config(recipe).optimizer.lr == 1e-6
 
 
+@pytest.mark.parametrize("value", ["on", "off", "auto"])
+def test_on_and_off_stay_words_where_the_schema_wants_a_word(tmp_path, value):
+    """YAML 1.1 reads on / off as booleans: `trainer.packing=off` was refused as "must be a string"."""
+    assert load_config(None, [f"trainer.packing={value}"]).trainer.packing == value
+    recipe = write(tmp_path / "r.yaml", f"trainer:\n  packing: {value}\n")
+    assert load_config(recipe).trainer.packing == value
+
+
+def test_yes_no_on_off_still_mean_booleans_where_the_schema_wants_one():
+    cfg = load_config(None, ["checkpoint.async_save=yes", "logging.progress=off"])
+    assert (cfg.checkpoint.async_save, cfg.logging.progress) == (True, False)
+
+
 def test_defaults_inheritance_then_overrides_take_precedence(tmp_path):
     write(tmp_path / "base.yaml", "name: base\ntrainer:\n  steps: 7\n  micro_batch_size: 2\n")
     child = write(tmp_path / "child.yaml", "defaults: [base.yaml]\nname: child\ntrainer:\n  steps: 9\n")
