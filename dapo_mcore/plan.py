@@ -36,7 +36,6 @@ Per GPU, on the heaviest pipeline stage:
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapo_mcore.config import RunConfig, load_config, parse_override
-from dapo_mcore.config.model_spec import read_model_spec
+from dapo_mcore.config.model_spec import read_config_json, read_model_spec
 from dapo_mcore.utils.errors import ConfigError, LayoutError
 
 GIB = 1 << 30
@@ -687,13 +686,7 @@ def read_model_config(model_config: str | None, hf_path: str) -> dict[str, Any]:
     if not path.is_file():
         source = "--model-config" if model_config else "model.hf_path"
         raise ConfigError(f"no config.json at {path} ({source}); plan without the weights with --model-config DIR")
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
-    return config
+    return read_config_json(path)
 
 
 def checkpoint_bytes(model_config: dict[str, Any], dtype: str) -> int:

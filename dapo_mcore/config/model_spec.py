@@ -45,6 +45,11 @@ def load_hf_config(hf_path: str | Path) -> dict[str, Any]:
     path = Path(hf_path) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in model directory {hf_path}")
+    return read_config_json(path)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """An existing config.json as a dict; unreadable JSON or another top level is a ConfigError naming it."""
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
