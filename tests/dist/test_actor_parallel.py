@@ -98,6 +98,7 @@ def test_virtual_pipeline_stages_match_the_single_process_run(tmp_path):
     reference = layouts.run()
     assert_same(layouts.run(2, pp=2, vpp=2), reference)
     assert_same(layouts.run(4, tp=2, pp=2, vpp=2, max_tokens=48), reference, run="token-mean/4/48")
+    assert_same(layouts.run(2, pp=2, vpp=2, packing="mask"), reference, run="token-mean/4/0/mask")
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -196,6 +197,21 @@ def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(llama, nproc, 
     for mode in LOSS_AGG_MODES:
         for budget in (0, PACKED_BUDGET):
             assert_same(result, result, run=f"{mode}/4/{budget}/mask", reference_run=f"{mode}/4/0")
+
+
+@pytest.mark.parametrize(
+    "nproc, options",
+    [(2, {"tp": 2, "sp": True, "recompute": "full"}), (2, {"pp": 2, "naive_logprobs": True})],
+    ids=["tp2+sp+full-recompute", "pp2+full-logits-head"],
+)
+def test_packed_rows_with_sequence_parallel_recompute_and_the_full_logits_head(llama, nproc, options):
+    """Packing is on by default with the local spec, so also with these options: same log-probs, loss and
+    gradients as padded rows."""
+    result = llama.run(nproc, packing="off,mask", varied_samples=True, max_tokens=f"0,{PACKED_BUDGET}", **options)
+    for got, want in zip(result["logprobs_mask"], result["logprobs"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=GRAD_ATOL)
+    for budget in (0, PACKED_BUDGET):
+        assert_same(result, result, run=f"token-mean/4/{budget}/mask", reference_run="token-mean/4/0")
 
 
 def test_packed_rows_take_the_loss_gradient_in_the_head_forward_as_the_recompute_path_does(llama):
