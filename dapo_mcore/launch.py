@@ -57,6 +57,7 @@ class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
 class _StopState:
     reason: str | None = None  # "SIGUSR1" / "SIGTERM" once one arrived
     interrupted: bool = False  # SIGINT arrived (its KeyboardInterrupt may have been dropped: module doc)
+    run_pid: int = 0  # the process that installed the handlers (forked helpers inherit them)
     save_on_signal: bool = True
     sigterm_grace_s: float = 20.0
 
@@ -67,7 +68,7 @@ _state = _StopState()
 def install_stop_handlers() -> None:
     """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary;
     SIGINT stops at once, or at the next boundary where its KeyboardInterrupt was dropped."""
-    _state.reason, _state.interrupted = None, False
+    _state.reason, _state.interrupted, _state.run_pid = None, False, os.getpid()
     sys.unraisablehook = _quiet_about_dropped_interrupts
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGUSR1, _on_usr1)
@@ -109,6 +110,11 @@ def cancel_grace() -> None:
 
 
 def _on_sigint(signum, frame) -> None:
+    if os.getpid() != _state.run_pid:
+        # A forked helper (the checkpoint writer's workers): a Ctrl-C reaches the whole process group, and a
+        # worker that died of it would leave the run waiting for its result when the run itself had dropped
+        # its KeyboardInterrupt (it stops at the step boundary once the save is complete, or ends its helpers).
+        return
     _state.interrupted = True
     raise KeyboardInterrupt
 

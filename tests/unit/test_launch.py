@@ -124,3 +124,19 @@ def test_the_trainer_ends_a_run_whose_sigint_was_dropped_at_the_step_boundary(mo
     monkeypatch.setattr(trainer, "agreed_stop", lambda: "SIGINT")
     with pytest.raises(KeyboardInterrupt):
         trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: SIGINT means now
+
+
+def test_a_forked_helper_leaves_sigint_to_the_run(handlers, tmp_path):
+    """The checkpoint writer forks its workers, which inherit the handlers; a Ctrl-C reaches them too (the
+    process group) and must not kill them mid-write: the run decides."""
+    done = tmp_path / "done"
+    pid = os.fork()
+    if pid == 0:  # the helper: receives SIGINT, finishes its work
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            done.touch()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert done.exists() and launch.requested_stop() is None
