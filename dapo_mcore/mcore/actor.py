@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dapo_mcore.algo.losses import (
     LossSettings,
+    TokenLossTerms,
     dapo_loss,
     micro_batch_keep,
     stat_keys,
@@ -342,22 +343,18 @@ class MegatronActor(PolicyRunner):
         return totals
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
-        anchor = None
-        if self.settings.fused_logprobs and self.settings.fused_loss_grad:
-            logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits)
-        else:
-            logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
         # The loss wants one row per sample (per-sequence aggregation and masks): packed rows are regrouped.
         per_seq = partial(to_sequences, sequence_index=mb.sequence_index)
+        old, adv, mask = per_seq(mb.old_logprobs), per_seq(mb.advantages), per_seq(mb.loss_mask)
+        given = {"ref_logprobs_BT": per_seq(mb.ref_logprobs), "rollout_logprobs_BT": per_seq(mb.rollout_logprobs)}
+        anchor = None
+        if self.settings.fused_logprobs and self.settings.fused_loss_grad:
+            terms = token_loss_terms(old, adv, mask, self.settings.loss, **given)
+            logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits, terms)
+        else:
+            logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
         numerator, denominator, stats = dapo_loss(
-            per_seq(logprobs_bs),
-            per_seq(mb.old_logprobs),
-            per_seq(mb.advantages),
-            per_seq(mb.loss_mask),
-            self.settings.loss,
-            entropy_BT=per_seq(entropy_bs),
-            ref_logprobs_BT=per_seq(mb.ref_logprobs),
-            rollout_logprobs_BT=per_seq(mb.rollout_logprobs),
+            per_seq(logprobs_bs), old, adv, mask, self.settings.loss, entropy_BT=per_seq(entropy_bs), **given
         )
         if anchor is not None:  # the log-probs carried no gradient: the numerator's comes through the anchor
             numerator = numerator + anchor * micro_batch_keep(stats, self.settings.loss)
@@ -371,25 +368,17 @@ class MegatronActor(PolicyRunner):
         )
         return numerator, denominator.round().to(torch.int), stats
 
-    def _logprobs_with_loss_grad(self, mb: MicroBatch, hidden: torch.Tensor):
+    def _logprobs_with_loss_grad(self, mb: MicroBatch, hidden: torch.Tensor, terms: TokenLossTerms):
         """[b, s] log-probs and entropies (no gradient) and the head's anchor carrying d numerator / d hidden, W.
 
-        dapo_loss's numerator is a sum of per-token terms whose constants are known before the forward
-        (algo/losses.py), so the fused head takes each chunk's gradient in its forward (no logits recompute).
-        The constants are computed in the loss's layout, one row per sample (packed rows are regrouped, as
-        for the loss), and the head sees the same response tokens at their places in the micro-batch.
+        dapo_loss's numerator is a sum of per-token terms whose constants (`terms`, in the loss's layout: one
+        row per sample) are known before the forward (algo/losses.py), so the fused head takes each chunk's
+        gradient in its forward (no logits recompute); it sees the same response tokens at their places in
+        the micro-batch.
         """
         s = self.settings.loss
-        per_seq = partial(to_sequences, sequence_index=mb.sequence_index)
         in_sequences, (rows, cols) = _response_positions(mb)
-        terms_N = token_loss_terms(
-            per_seq(mb.old_logprobs),
-            per_seq(mb.advantages),
-            per_seq(mb.loss_mask),
-            s,
-            ref_logprobs_BT=per_seq(mb.ref_logprobs),
-            rollout_logprobs_BT=per_seq(mb.rollout_logprobs),
-        ).take(in_sequences)
+        terms_N = terms.take(in_sequences)
 
         def loss_grad(a: int, b: int, logp_C: torch.Tensor, _entropy_C: torch.Tensor):
             return token_loss_grad(logp_C, terms_N.take(slice(a, b)), s)
