@@ -10,8 +10,9 @@ Stopping. Slurm warns a job before its time limit with SIGUSR1 to the batch scri
 by hand) does the same. Preemption and `scancel` send SIGTERM, then SIGKILL KillWait seconds later (30 s by
 default). A handler only records the signal; the trainer asks every rank at the next
 step boundary (`agreed_stop`), so all ranks stop after the same step, saves there and raises `StoppedToResume`,
-which the CLI turns into exit code 75 (EX_TEMPFAIL: "saved, run me again"). The batch script re-queues the
-job on that code, and the re-queued job resumes from the save. After SIGTERM the step has
+which the CLI turns into exit code 75 (EX_TEMPFAIL: "saved, run me again"); once the save is complete, rank 0
+also writes the file DAPO_STOP_FILE + ".saved" (`mark_saved_stop`). The batch script re-queues the job on
+either, and the re-queued job resumes from the save. After SIGTERM the step has
 `checkpoint.sigterm_grace_s` seconds to reach its boundary; after that (or at a second SIGTERM) the run
 unwinds at once as before (`Terminated`, exit 143), keeping every complete save.
 
@@ -42,6 +43,7 @@ from dapo_mcore.utils.processes import Terminated
 # would die of a SIGUSR1 they do not handle.
 STOP_FILE_ENV = "DAPO_STOP_FILE"
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
+SAVED_STOP_SUFFIX = ".saved"
 
 
 class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
@@ -101,6 +103,19 @@ def agreed_stop() -> str | None:
         if most_urgent in reasons:
             return most_urgent
     return reasons[0] if reasons else None
+
+
+def mark_saved_stop(stop: StoppedToResume) -> Path | None:
+    """Rank 0, once the stop's save is complete: write DAPO_STOP_FILE + ".saved" (the stop's message), which
+    tells the batch script to re-queue whatever exit code srun reports. The tasks leave one by one, and
+    `srun --kill-on-bad-exit` ends those still closing down when the first exits 75: srun then reports their
+    143, not 75 (a CI run saw it)."""
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    if not stop_file:
+        return None
+    marker = Path(stop_file + SAVED_STOP_SUFFIX)
+    marker.write_text(f"{stop}\n")
+    return marker
 
 
 def cancel_grace() -> None:

@@ -19,7 +19,7 @@ import torch
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.config import RunConfig
-from dapo_mcore.launch import StoppedToResume, agreed_stop, cancel_grace, configure_stop
+from dapo_mcore.launch import StoppedToResume, agreed_stop, cancel_grace, configure_stop, mark_saved_stop
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.utils.errors import CheckpointError
@@ -88,7 +88,10 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
     run.checkpoints.wait()  # an async save is completed before the process ends
     log.warning("stopping before step %d on %s: %s", next_step, reason,
                 f"saved to {path}" if trained_since_save else "nothing trained since the newest save")  # fmt: skip
-    raise StoppedToResume(reason, next_step, path)
+    stop = StoppedToResume(reason, next_step, path)
+    if run.ctx.rank == 0:  # the save is complete on every rank: rank 0 published it
+        mark_saved_stop(stop)
+    raise stop
 
 
 def should_save(cfg: RunConfig, next_step: int) -> bool:

@@ -1,6 +1,7 @@
 """slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): the CPU demo
 recipe with 2 tasks runs to the end; with a time limit shorter than the run, the job saves at the warning,
-re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics."""
+re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics; and it re-queues
+when srun ends a task still closing down after the save (a stand-in task, seconds)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics
     first = task0_logs[0].read_text()
     assert "stopping before step" in first and "on Slurm's time-limit warning: saved to" in first
     assert "resuming from" in task0_logs[1].read_text()
+    saved = next((tmp_path / "logs").glob("limited-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
+    assert saved.startswith("stopped by Slurm's time-limit warning before step") and str(run_dir) in saved
 
 
 def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
@@ -114,3 +117,48 @@ def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
     next_step, save = int(stopped.group(1)), Path(stopped.group(2))
     assert save.name == f"step_{next_step:06d}" and len(rows(run_dir)) == next_step
     verify_complete(save, checksums=True)
+
+
+# Stands in for `python -m dapo_mcore.cli train` (train.sbatch runs `$DAPO_PYTHON -m ...`). Attempt 0 waits for
+# the stop file; rank 0 marks the save complete (as the trainer does) and is still closing down when rank 1
+# exits 75, so `srun --kill-on-bad-exit` ends rank 0 and reports 143 (the order a CI run met by chance).
+# Later attempts end at once with 0.
+SLOW_TO_CLOSE_TASK = """#!{python}
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from dapo_mcore.launch import SAVED_STOP_SUFFIX, StoppedToResume, mark_saved_stop
+if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+    sys.exit(0)
+stop_file = Path(os.environ["DAPO_STOP_FILE"])
+(stop_file.parent / ("started-" + os.environ["SLURM_PROCID"])).touch()
+while not stop_file.exists():
+    time.sleep(0.05)
+if os.environ["SLURM_PROCID"] == "0":
+    mark_saved_stop(StoppedToResume("Slurm's time-limit warning", 7, Path("step_000007")))
+    time.sleep(120)
+while not Path(str(stop_file) + SAVED_STOP_SUFFIX).exists():
+    time.sleep(0.05)
+sys.exit(75)
+"""
+
+
+def test_the_job_requeues_when_srun_ends_a_task_still_closing_after_the_save(slurm_cluster, tmp_path):
+    task = tmp_path / "task"
+    task.write_text(SLOW_TO_CLOSE_TASK.format(python=sys.executable, repo=str(REPO)))
+    task.chmod(0o755)
+    env = {"DAPO_PYTHON": str(task), "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port())}
+    job_id = slurm_cluster.submit(
+        REPO / "slurm/train.sbatch", "examples/smoke_cpu.yaml", env=env, cwd=REPO,
+        sbatch_options=[*CPU_NODE, "--job-name=closing", f"--output={tmp_path}/closing-%j.out"],
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "logs").glob("closing-*/started-*"))) < 2:
+        assert time.monotonic() < deadline, slurm_cluster.job(job_id)
+        time.sleep(0.1)
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job_id))  # as Slurm's --signal=B:USR1@N
+    record = slurm_cluster.wait(job_id, timeout=180)
+    out = job_output(tmp_path, "closing", job_id)
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out}"
+    assert "srun ended with 143 after the save: stopped by Slurm's time-limit warning before step 7" in out, out
+    assert "saved before the time limit: re-queueing" in out

@@ -140,3 +140,17 @@ def test_a_forked_helper_leaves_sigint_to_the_run(handlers, tmp_path):
             os._exit(0)
     os.waitpid(pid, 0)
     assert done.exists() and launch.requested_stop() is None
+
+
+def test_a_saved_stop_is_marked_beside_the_stop_file(monkeypatch, tmp_path):
+    """slurm/train.sbatch re-queues on this file when srun reports another code than 75 (it ended a task still
+    closing down after the save)."""
+    stop = launch.StoppedToResume("Slurm's time-limit warning", 7, tmp_path / "step_000007")
+    monkeypatch.delenv(launch.STOP_FILE_ENV, raising=False)
+    assert launch.mark_saved_stop(stop) is None  # not under the batch script: nothing to tell
+    monkeypatch.setenv(launch.STOP_FILE_ENV, str(tmp_path / "attempt-0.stop"))
+    marker = launch.mark_saved_stop(stop)
+    assert marker == tmp_path / "attempt-0.stop.saved"
+    assert (
+        marker.read_text() == f"stopped by Slurm's time-limit warning before step 7; saved to {tmp_path}/step_000007\n"
+    )
