@@ -55,7 +55,8 @@ def train(cfg: RunConfig) -> Path:
         run.checkpoints.wait()
     except StoppedToResume:
         # every rank stopped at the same boundary: end together, so that srun --kill-on-bad-exit (exit 75 is
-        # not 0) cannot cut rank 0's wandb close or lock release short
+        # not 0) rarely cuts rank 0's wandb close or lock release short (it still can during the interpreter's
+        # exit: the batch script re-queues on rank 0's mark then, see launch.mark_saved_stop)
         finish(run, together=True)
         raise
     except BaseException:
@@ -90,7 +91,10 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
                 f"saved to {path}" if trained_since_save else "nothing trained since the newest save")  # fmt: skip
     stop = StoppedToResume(reason, next_step, path)
     if run.ctx.rank == 0:  # the save is complete on every rank: rank 0 published it
-        mark_saved_stop(stop)
+        try:
+            mark_saved_stop(stop)
+        except OSError as err:  # the stop still ends in exit 75, on which the batch script re-queues too
+            log.warning("could not mark the save for the batch script: %s", err)
     raise stop
 
 

@@ -154,3 +154,17 @@ def test_a_saved_stop_is_marked_beside_the_stop_file(monkeypatch, tmp_path):
     assert (
         marker.read_text() == f"stopped by Slurm's time-limit warning before step 7; saved to {tmp_path}/step_000007\n"
     )
+
+
+def test_a_mark_that_cannot_be_written_leaves_the_stop_as_it_was(monkeypatch, tmp_path):
+    """Exit 75 alone still re-queues: a stop whose mark fails to write must not become a crash."""
+    from types import SimpleNamespace
+
+    from dapo_mcore import trainer
+
+    monkeypatch.setattr(trainer, "agreed_stop", lambda: "Slurm's time-limit warning")
+    monkeypatch.setenv(launch.STOP_FILE_ENV, str(tmp_path / "missing-dir" / "attempt-0.stop"))
+    run = SimpleNamespace(ctx=SimpleNamespace(rank=0), checkpoints=SimpleNamespace(wait=lambda: None))
+    with pytest.raises(launch.StoppedToResume, match="nothing trained since the newest save"):
+        trainer.stop_if_signalled(run, next_step=3, saved_step=3)
+    assert not (tmp_path / "missing-dir").exists()
