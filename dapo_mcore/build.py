@@ -356,6 +356,7 @@ def sampler_settings(cfg: RunConfig) -> SamplerSettings:
         length_penalty_safe_len=linear.safe_len,
         length_penalty_max_len=linear.max_len,
         dynamic_sampling=ds.enabled,
+        carry_surplus=ro.carry_surplus,
         mode=ds.mode,
         max_rounds=ds.max_rounds,
         on_cap=ds.on_cap,

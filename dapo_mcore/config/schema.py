@@ -86,6 +86,11 @@ class RolloutConfig:
     prompts_per_step: int = 512
     # Prompts sent to the engines per generation round (paper's script: 3x prompts_per_step).
     gen_prompts_per_round: int = 1536
+    # Kept groups beyond prompts_per_step: false drops them, as the DAPO authors' code does (verl's
+    # recipe/dapo trainer cuts the batch to train_batch_size x n); true trains them at the next step, which
+    # wastes no generation but makes that step partly off-policy by one weight version (logged as
+    # rollout/off_policy_frac; algorithm.mismatch.tis corrects against the engine's log-probs).
+    carry_surplus: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Weights go to the engines in buckets of about this many MiB (peers use ~512).
     weight_bucket_mb: int = 512

@@ -2,8 +2,13 @@
 
 Each generation round splits its prompts over every rank (each rank hosts an engine replica), scores its
 share locally, and all-gathers the groups so every rank holds the same batch. Rounds continue until
-`prompts_per_step` groups are kept or `max_rounds` is reached; surplus kept groups are carried into the
-next step instead of being thrown away (REFERENCE.md section 4, complaint 2). At the round cap the step
+`prompts_per_step` groups are kept or `max_rounds` is reached. Kept groups beyond the batch are dropped, as
+in the DAPO authors' code (verl's recipe/dapo trainer cuts the batch to train_batch_size x n and starts the
+next step empty), or with `carry_surplus` trained at the next step instead of being thrown away (REFERENCE.md
+section 4, complaint 2): those were sampled by the previous weights, so the step is partly off-policy by one
+version, which the clip does not see (old log-probs are recomputed under the current weights; only
+algorithm.mismatch's importance weights against the engine's log-probs correct for it). The share is logged
+as rollout/off_policy_frac. At the round cap the step
 trains on what it kept (warned and logged) or stops with a clear error, as configured; it never crashes on
 the cap by accident (complaint 1). Round sizes are fixed, or follow a running keep-rate estimate.
 """
@@ -54,6 +59,7 @@ class SamplerSettings:
     length_penalty_safe_len: int = 0
     length_penalty_max_len: int = 1
     dynamic_sampling: bool = True
+    carry_surplus: bool = False
     mode: str = "resample"
     max_rounds: int = 10
     on_cap: str = "train"
@@ -118,11 +124,13 @@ class RolloutSampler:
             rounds += 1
             on_round()
         cap_hit = cfg.mode == "resample" and self._handle_cap(kept, step)
-        batch_groups, self.carry = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
-        if cfg.mode == "dynamic_batch":
-            self.carry = []  # AReaL's dynamic batch: this round's accepted groups only
+        batch_groups, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
+        # AReaL's dynamic batch trains on this round's accepted groups only
+        self.carry = surplus if cfg.carry_surplus and cfg.mode != "dynamic_batch" else []
         self._assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
+        metrics["dynamic_sampling/dropped_surplus_groups"] = float(len(surplus) - len(self.carry))
+        metrics.update(_policy_lag_metrics(batch_groups, step))
         metrics["dynamic_sampling/cap_hit"] = float(cap_hit)
         metrics["dynamic_sampling/keep_rate_estimate"] = self.keep_rate.rate if self.keep_rate.rate is not None else 1.0
         return RolloutBatch(groups=batch_groups, metrics=metrics)
@@ -259,6 +267,18 @@ class RolloutSampler:
         self.prompts.load_state_dict(state["prompts"])
         self.carry = [group_from_dict(g) for g in state["carry"]]
         self.keep_rate.load_state_dict(state["keep_rate"])
+
+
+def _policy_lag_metrics(batch: list[Group], step: int) -> dict[str, float]:
+    """How much of the batch an older policy sampled (groups carried over from earlier steps): the share of
+    its samples, and the largest lag in weight versions."""
+    lags = [step - s.policy_step for g in batch for s in g.samples]
+    if not lags:
+        return {}
+    return {
+        "rollout/off_policy_frac": sum(lag > 0 for lag in lags) / len(lags),
+        "rollout/policy_lag_max": float(max(lags)),
+    }
 
 
 def _rollout_metrics(

@@ -85,13 +85,26 @@ def test_nothing_kept_at_the_cap_gives_an_empty_batch_not_a_crash(caplog):
     assert batch.groups == [] and batch.metrics["dynamic_sampling/all_correct_groups"] == 8
 
 
-def test_surplus_groups_are_carried_to_the_next_step():
+def test_surplus_groups_are_dropped_by_default_as_in_the_paper():
     s, engine, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8)
     first = s.next_batch(0, PhaseTimer())
+    assert len(first.groups) == 6 and s.carry == []
+    assert first.metrics["dynamic_sampling/dropped_surplus_groups"] == 2
+    second = s.next_batch(1, PhaseTimer())
+    assert len(engine.calls) == 2 and all(smp.policy_step == 1 for g in second.groups for smp in g.samples)
+    assert second.metrics["rollout/off_policy_frac"] == 0.0 and second.metrics["rollout/policy_lag_max"] == 0
+
+
+def test_carried_surplus_groups_train_next_step_and_are_counted_off_policy():
+    s, engine, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8, carry_surplus=True)
+    first = s.next_batch(0, PhaseTimer())
     assert len(first.groups) == 6 and first.metrics["dynamic_sampling/carried_groups"] == 2
+    assert first.metrics["dynamic_sampling/dropped_surplus_groups"] == 0
     carried = s.carry[:]
     second = s.next_batch(1, PhaseTimer())
     assert second.groups[:2] == carried and len(engine.calls) == 2
+    assert second.metrics["rollout/off_policy_frac"] == pytest.approx(2 / 6)  # 2 of 6 groups, same n each
+    assert second.metrics["rollout/policy_lag_max"] == 1
 
 
 def test_dynamic_batch_mode_trains_on_one_round_of_accepted_groups():
@@ -143,13 +156,13 @@ def test_a_verifier_that_never_returns_times_out_and_the_step_finishes():
 
 
 def test_sampler_state_round_trips():
-    s, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8)
+    s, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8, carry_surplus=True)
     s.next_batch(0, PhaseTimer())
     assert s.carry, "the test needs carried-over groups"
     buffer = io.BytesIO()
     torch.save(s.state_dict(), buffer)  # as checkpoints store it: plain data that torch.load reads safely
     state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    t, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8)
+    t, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8, carry_surplus=True)
     t.load_state_dict(state)
     a, b = s.next_batch(1, PhaseTimer()), t.next_batch(1, PhaseTimer())
     assert [g.prompt.uid for g in a.groups] == [g.prompt.uid for g in b.groups]
