@@ -167,11 +167,12 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     if samples:  # an empty batch (nothing kept at the round cap) makes no update
         mini_batches = split_mini_batches(len(samples), run.cfg.trainer.mini_batch_size)
         with timer.phase("old_logprobs"):
-            metrics.update(run.actor.compute_old_logprobs(samples, mini_batches, step))
+            batches = run.actor.prepare(samples, mini_batches)  # built once, on the device, for both phases
+            metrics.update(run.actor.compute_old_logprobs(batches, step))
             if run.reference is not None:
-                run.reference.fill_logprobs(samples, mini_batches, "ref_logprobs")
+                run.reference.logprobs_into(batches, "ref_logprobs")
         with timer.phase("update"):
-            metrics.update(run.actor.train_step(samples, mini_batches))
+            metrics.update(run.actor.train_step(batches))
         metrics["memory/after_update_gb"] = memory_in_use_gb(run.ctx.device)
         with timer.phase("weight_push"):
             push_weights(run)

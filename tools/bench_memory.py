@@ -117,7 +117,8 @@ def measure(model: str, budget: int, recompute: str) -> dict:
     chunks, _ = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
     rows = cfg.trainer.mini_batch_size
-    actor.train_step(synthetic_samples(2 * rows, spec.vocab_size), [list(range(rows)), list(range(rows, 2 * rows))])
+    samples = synthetic_samples(2 * rows, spec.vocab_size)
+    actor.train_step(actor.prepare(samples, [list(range(rows)), list(range(rows, 2 * rows))]))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     destroy_parallel()
     if peak <= peak_before:

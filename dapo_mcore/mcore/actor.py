@@ -87,6 +87,16 @@ class ActorSettings:
 PACKING_MODES = ("off", "mask", "thd")
 
 
+@dataclass
+class StepBatches:
+    """One RL step's data on this rank, built once on the device: the micro-batches of each mini-batch. The
+    old (and reference) log-probs are written into them as tensors and the update reads them there, so they
+    never leave the device as Python lists and no micro-batch is built twice."""
+
+    samples: list[Sample]  # the whole step's samples (indices of MicroBatch.segments point into it)
+    mini_batches: list[list[MicroBatch]]  # this rank's micro-batches of each optimizer update
+
+
 class PolicyRunner:
     """Forward passes of GPTModel chunks through Megatron's schedules: per-token log-probs of samples."""
 
@@ -104,20 +114,33 @@ class PolicyRunner:
         if settings.fused_logprobs and ctx.is_last_stage:
             install_passthrough_head(self._head, ctx.pg.tp)
 
-    @torch.no_grad()
-    def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
-        """Set `sample.<attr>` for the samples this rank trains on (last pipeline stage only).
+    def prepare(self, samples: list[Sample], mini_batches: list[list[int]]) -> StepBatches:
+        """This rank's micro-batches of every mini-batch (index lists into `samples`), on the device. The DP
+        split and micro-batches are those of training, so each rank computes exactly what it trains on."""
+        seq_len = padded_length(samples, self._multiple)
+        return StepBatches(samples, [self._micro_batches(samples, indices, seq_len) for indices in mini_batches])
 
-        Uses the same DP split and micro-batches as training, so each rank computes exactly what it needs.
-        """
+    @torch.no_grad()
+    def logprobs_into(self, batches: StepBatches, attr: str) -> None:
+        """Write this policy's log-probs of the response tokens into each micro-batch's `attr` tensor ([b, s],
+        0 off the response positions, as when laid out from samples); last pipeline stage only."""
         for chunk in self.chunks:
             chunk.eval()
-        seq_len = padded_length(samples, self._multiple)
-        for indices in mini_batches:
-            micro = self._micro_batches(samples, indices, seq_len)
+        for micro in batches.mini_batches:
             outputs = self._run_schedule(micro, forward_only=True)
             if self.ctx.is_last_stage:
-                _store_logprobs(samples, micro, outputs, attr)
+                for mb, logprobs_bs in zip(micro, outputs):
+                    at_response = mb.response_mask > 0
+                    setattr(mb, attr, torch.where(at_response, logprobs_bs.to(mb.response_mask.dtype), 0.0))
+
+    def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
+        """Set `sample.<attr>` (a list) for the samples this rank trains on (last pipeline stage only): for
+        tools and checks that read log-probs per sample; an RL step keeps them in its StepBatches."""
+        batches = self.prepare(samples, mini_batches)
+        self.logprobs_into(batches, attr)
+        if self.ctx.is_last_stage:
+            for micro in batches.mini_batches:
+                _store_logprobs(samples, micro, [getattr(mb, attr) for mb in micro], attr)
 
     def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
         """This rank's micro-batches of the mini-batch `indices`, built and on the device."""
@@ -244,7 +267,7 @@ class PolicyRunner:
 
     def _logprob_output(self, mb: MicroBatch, logits: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         logprobs_bs, _ = self._token_logprobs(mb, logits)
-        return logprobs_bs.float().cpu()
+        return logprobs_bs.float()
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         raise NotImplementedError("a frozen policy has no loss")
@@ -301,24 +324,22 @@ class MegatronActor(PolicyRunner):
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def compute_old_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], step: int) -> dict[str, float]:
-        """Fill `old_logprobs`; return train/inference metrics (same on every rank).
+    def compute_old_logprobs(self, batches: StepBatches, step: int) -> dict[str, float]:
+        """Write `old_logprobs` into the step's micro-batches; return train/inference metrics (same on every rank).
 
         mismatch/*: samples generated at this step, with the weights the actor holds now, so any gap is the
         engine's numerics. offpolicy/*: groups carried over from earlier steps, whose gap is policy lag.
         """
-        self.fill_logprobs(samples, mini_batches, "old_logprobs")
-        fresh = [s for s in samples if s.policy_step == step]
-        stale = [s for s in samples if s.policy_step != step]
-        return {**self._logprob_gap_metrics(fresh, "mismatch"), **self._logprob_gap_metrics(stale, "offpolicy")}
+        self.logprobs_into(batches, "old_logprobs")
+        fresh, stale = self._logprob_gaps(batches, step)
+        return {**_logprob_gap_metrics(fresh, "mismatch"), **_logprob_gap_metrics(stale, "offpolicy")}
 
-    def train_step(self, samples: list[Sample], mini_batches: list[list[int]]) -> dict[str, float]:
+    def train_step(self, batches: StepBatches) -> dict[str, float]:
         """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
-        seq_len = padded_length(samples, self._multiple)
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
-        for indices in mini_batches:
-            sums = self._reduce(self.compute_gradients(samples, indices, seq_len))
+        for micro in batches.mini_batches:
+            sums = self._reduce(self._gradients(micro))
             totals += sums
             if sums[1] == 0:  # no loss token left (all masked or guarded): an Adam step would still move
                 skipped += 1
@@ -327,16 +348,21 @@ class MegatronActor(PolicyRunner):
             skipped += int(not updated)
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         self.scheduler.step(increment=1)
-        return self._actor_metrics(totals, grad_norms, skipped, len(mini_batches))
+        return self._actor_metrics(totals, grad_norms, skipped, len(batches.mini_batches))
 
-    def compute_gradients(self, samples: list[Sample], indices: list[int], seq_len: int | None = None) -> torch.Tensor:
-        """Forward/backward of one mini-batch into the DDP grad buffers (`param.main_grad`), already divided by
-        the mini-batch's loss denominator. Returns this rank's sums (see sum_keys), not yet reduced."""
+    def compute_gradients(self, samples: list[Sample], indices: list[int]) -> torch.Tensor:
+        """Forward/backward of the mini-batch `indices` of `samples` (with their old log-probs set) into the DDP
+        grad buffers; see _gradients."""
+        return self._gradients(self._micro_batches(samples, indices, padded_length(samples, self._multiple)))
+
+    def _gradients(self, micro: list[MicroBatch]) -> torch.Tensor:
+        """Forward/backward of one mini-batch's micro-batches into the DDP grad buffers (`param.main_grad`),
+        already divided by the mini-batch's loss denominator. Returns this rank's sums (see sum_keys), not yet
+        reduced."""
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        micro = self._micro_batches(samples, indices, seq_len or padded_length(samples, self._multiple))
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         for stats in self._run_schedule(micro, forward_only=False):
             totals += torch.stack([torch.as_tensor(stats[k]).double().cpu() for k in self.sum_keys])
@@ -437,29 +463,43 @@ class MegatronActor(PolicyRunner):
                 metrics[name] = t[key] / divisor
         return metrics
 
-    def _logprob_gap_metrics(self, samples: list[Sample], prefix: str) -> dict[str, float]:
-        """|logp_train - logp_rollout| over response tokens (mean, max), the k3 estimate of KL(engine || actor)
-        on the engine's samples, and quantiles of the ratio exp(train - rollout)."""
-        local = [
-            torch.tensor(s.old_logprobs) - torch.tensor(s.rollout_logprobs[: len(s.old_logprobs)])
-            for s in samples
-            if s.old_logprobs is not None and self.ctx.tp_rank == 0  # TP ranks hold the same values
-        ]
-        diff = torch.cat(all_gather_objects(torch.cat(local) if local else torch.zeros(0))).double()
-        if diff.numel() == 0:
-            return {}
-        ratio = diff.exp()
-        metrics = {
-            f"{prefix}/abs_logp_diff_mean": diff.abs().mean().item(),
-            f"{prefix}/abs_logp_diff_max": diff.abs().max().item(),
-            # k3 (Schulman): E_engine[r - 1 - log r] with r = p_actor / p_engine, unbiased and >= 0
-            f"{prefix}/k3_kl": (ratio - 1 - diff).mean().item(),
-            f"{prefix}/ratio_max": ratio.max().item(),
-            f"{prefix}/ratio_min": ratio.min().item(),
-        }
-        for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
-            metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
-        return metrics
+    def _logprob_gaps(self, batches: StepBatches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p_actor - log p_engine of every response token of the step (gathered from the last stages' TP
+        rank 0, which hold them), split into samples of this step's weights and older ones."""
+        fresh, stale = [], []
+        if self.ctx.is_last_stage and self.ctx.tp_rank == 0:  # TP ranks hold the same values
+            for micro in batches.mini_batches:
+                for mb in micro:
+                    for index, row, offset in mb.segments:
+                        sample = batches.samples[index]
+                        start = offset + len(sample.prompt_ids) - 1
+                        span = slice(start, start + len(sample.response_ids))
+                        diff = (mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]).cpu()
+                        (fresh if sample.policy_step == step else stale).append(diff)
+        return _gathered(fresh), _gathered(stale)
+
+
+def _gathered(local: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(all_gather_objects(torch.cat(local) if local else torch.zeros(0))).double()
+
+
+def _logprob_gap_metrics(diff: torch.Tensor, prefix: str) -> dict[str, float]:
+    """|logp_train - logp_rollout| over response tokens (mean, max), the k3 estimate of KL(engine || actor)
+    on the engine's samples, and quantiles of the ratio exp(train - rollout)."""
+    if diff.numel() == 0:
+        return {}
+    ratio = diff.exp()
+    metrics = {
+        f"{prefix}/abs_logp_diff_mean": diff.abs().mean().item(),
+        f"{prefix}/abs_logp_diff_max": diff.abs().max().item(),
+        # k3 (Schulman): E_engine[r - 1 - log r] with r = p_actor / p_engine, unbiased and >= 0
+        f"{prefix}/k3_kl": (ratio - 1 - diff).mean().item(),
+        f"{prefix}/ratio_max": ratio.max().item(),
+        f"{prefix}/ratio_min": ratio.min().item(),
+    }
+    for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
+        metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
+    return metrics
 
 
 def _response_positions(mb: MicroBatch) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

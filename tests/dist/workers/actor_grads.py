@@ -186,7 +186,7 @@ def main():
             packing=packings[0],
             loss=dataclasses.replace(actor.settings.loss, agg_mode="token-mean"),
         )
-        actor.train_step(samples, [list(range(len(samples)))])
+        actor.train_step(actor.prepare(samples, [list(range(len(samples)))]))
         result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
     if ctx.rank == 0:
         torch.save(_to_cpu(result), args.out)
