@@ -8,6 +8,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from dapo_mcore.mcore.provider import (
 from dapo_mcore.parallel import (
     ParallelContext,
     all_gather_objects,
+    all_gather_padded,
     broadcast_object,
     destroy_parallel,
     init_parallel,
@@ -422,6 +424,7 @@ def build_sampler(
         all_gather=all_gather_objects,
         keep_filter=keep_filter,
         engine_tp_size=cfg.rollout.engine_tp_size,
+        all_gather_padded=partial(all_gather_padded, device=ctx.device),
     )
 
 

@@ -89,19 +89,21 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
 
 def _lay_out(sample: Sample, row: int, offset: int, tokens: torch.Tensor, per_token: dict[str, torch.Tensor]) -> None:
     """Write one sample's tokens and label-aligned values into `row` from column `offset`."""
-    ids = sample.prompt_ids + sample.response_ids
+    ids = torch.cat(
+        [torch.as_tensor(sample.prompt_ids, dtype=torch.long), torch.as_tensor(sample.response_ids, dtype=torch.long)]
+    )
     if offset + len(ids) > tokens.shape[1]:
         raise ValueError(f"sample of {len(ids)} tokens does not fit seq_len={tokens.shape[1]} at offset {offset}")
-    tokens[row, offset : offset + len(ids)] = torch.tensor(ids)
+    tokens[row, offset : offset + len(ids)] = ids
     span = slice(offset + len(sample.prompt_ids) - 1, offset + len(ids) - 1)
     n_resp = len(sample.response_ids)
     per_token["response_mask"][row, span] = 1.0
     per_token["loss_mask"][row, span] = float(sample.trainable)
     per_token["advantages"][row, span] = sample.advantage
-    per_token["rollout_logprobs"][row, span] = torch.tensor(sample.rollout_logprobs[:n_resp])
+    per_token["rollout_logprobs"][row, span] = torch.as_tensor(sample.rollout_logprobs[:n_resp], dtype=torch.float32)
     for key in ("old_logprobs", "ref_logprobs"):
         if getattr(sample, key) is not None:
-            per_token[key][row, span] = torch.tensor(getattr(sample, key))
+            per_token[key][row, span] = torch.as_tensor(getattr(sample, key), dtype=torch.float32)
 
 
 def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int) -> list[list[int]]:

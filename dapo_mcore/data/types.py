@@ -1,11 +1,19 @@
 """What flows through one RL step: prompts, sampled responses (samples) and their groups.
 
-Plain lists and floats, so they cross process boundaries (gather_object) and checkpoints unchanged.
+A sample's token ids and log-probs are what the engine returned (lists) where it was generated, and 1-D
+tensors (views of one flat tensor) once the step's batch has moved between ranks (rollout/exchange.py);
+whatever reads them takes either. Checkpoints store plain lists.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+TokenIds = Sequence[int] | torch.Tensor  # list[int] or a 1-D integer tensor
+Values = Sequence[float] | torch.Tensor  # list[float] or a 1-D float tensor
 
 
 @dataclass
@@ -18,10 +26,10 @@ class Prompt:
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]
+    prompt_ids: TokenIds
+    response_ids: TokenIds
     # The engine's log-probability of each response token under its sampling distribution.
-    rollout_logprobs: list[float]
+    rollout_logprobs: Values
     # "stop" (end-of-sequence or a stop string) or "length" (cut at max_response_len).
     finish_reason: str
     response_text: str = ""
@@ -45,6 +53,10 @@ class Sample:
     def truncated(self) -> bool:
         return self.finish_reason == "length"
 
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
 
 @dataclass
 class Group:
@@ -57,8 +69,14 @@ class Group:
 
 
 def group_to_dict(group: Group) -> dict:
-    """Plain dicts and lists (what checkpoints store: torch.load reads them without unpickling classes)."""
-    return asdict(group)
+    """Plain dicts and lists (what checkpoints store: torch.load reads them without unpickling classes; a tensor
+    view would also store the whole step's buffer it views)."""
+    samples = [{f.name: _plain(getattr(s, f.name)) for f in fields(s)} for s in group.samples]
+    return {"prompt": asdict(group.prompt), "samples": samples}
+
+
+def _plain(value):
+    return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
 def group_from_dict(state: dict) -> Group:

@@ -3,6 +3,7 @@
 from dapo_mcore.parallel.state import (
     ParallelContext,
     all_gather_objects,
+    all_gather_padded,
     broadcast_object,
     check_layout,
     destroy_parallel,
@@ -13,6 +14,7 @@ from dapo_mcore.parallel.state import (
 __all__ = [
     "ParallelContext",
     "all_gather_objects",
+    "all_gather_padded",
     "broadcast_object",
     "check_layout",
     "destroy_parallel",

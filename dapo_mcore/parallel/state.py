@@ -197,6 +197,17 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def all_gather_padded(tensor_N: torch.Tensor, length: int, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's 1-D tensor (each at most `length` long, the same dtype everywhere), on the CPU, each still
+    padded to `length`: the caller knows every rank's true size. One collective, through `device` (NCCL
+    needs CUDA tensors), with no pickling."""
+    padded = torch.zeros(length, dtype=tensor_N.dtype, device=device)
+    padded[: tensor_N.numel()] = tensor_N.to(device)
+    out = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, padded)
+    return [t.cpu() for t in out]
+
+
 def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     """`src` is a global rank. Returns the source's object on every rank of the group."""
     box = [obj]

@@ -1,7 +1,9 @@
 """One RL step's training batch: generate groups, score them, keep the informative ones, repeat.
 
-Each generation round splits its prompts over every rank (each rank hosts an engine replica), scores its
-share locally, and all-gathers the groups so every rank holds the same batch. Rounds continue until
+Each generation round splits its prompts over the engine replicas; each replica scores and filters its share
+locally and all-gathers only a summary of each group (rollout/exchange.py), so every rank makes the same
+keep decisions and sees the same metrics. Once the step's groups are chosen, their tokens move once, as
+tensors, and every rank holds the same batch. Rounds continue until
 `prompts_per_step` groups are kept or `max_rounds` is reached. Kept groups beyond the batch are dropped, as
 in the DAPO authors' code (verl's recipe/dapo trainer cuts the batch to train_batch_size x n and starts the
 next step empty), or with `carry_surplus` trained at the next step instead of being thrown away (REFERENCE.md
@@ -28,6 +30,7 @@ from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
+from dapo_mcore.rollout.exchange import GroupSummary, fetch_groups, summarize
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
@@ -100,6 +103,8 @@ class RolloutSampler:
         all_gather: Callable[[Any], list[Any]],
         keep_filter: Callable[[Group], bool] = correctness_spread,
         engine_tp_size: int = 1,
+        # every rank's 1-D tensor padded to a length (parallel.all_gather_padded); the default: one process
+        all_gather_padded: Callable[[torch.Tensor, int], list[torch.Tensor]] = lambda t, n: [t],
     ):
         self.engine, self.tokenizer, self.prompts, self.verify = engine, tokenizer, prompts, verify
         self.settings, self.rank, self.world_size, self.all_gather = settings, rank, world_size, all_gather
@@ -107,26 +112,30 @@ class RolloutSampler:
         # same seeds and get the same answers; prompts are split over replicas, not ranks.
         self.engine_tp_size = engine_tp_size
         self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
-        self.keep_filter = keep_filter
+        self.keep_filter, self.all_gather_padded = keep_filter, all_gather_padded
         self.carry: list[Group] = []
+        self._local: dict[tuple[int, int], Group] = {}  # this replica's groups of the step, until it is chosen
         self.keep_rate = KeepRateEstimator()
 
     def next_batch(self, step: int, timer: PhaseTimer, on_round: Callable[[], None] = lambda: None) -> RolloutBatch:
         cfg = self.settings
-        kept, generated = list(self.carry), []
+        kept: list[Group | GroupSummary] = list(self.carry)
+        generated: list[GroupSummary] = []
         rounds = 0
         while self._needs_round(len(kept), rounds):
-            groups = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
-            keep = self._keep_mask(groups)
-            self.keep_rate.observe(len(groups), sum(keep))
-            generated += groups
-            kept += [g for g, k in zip(groups, keep) if k]
+            summaries = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
+            self.keep_rate.observe(len(summaries), sum(g.keep for g in summaries))
+            generated += summaries
+            kept += [g for g in summaries if g.keep]
             rounds += 1
             on_round()
         cap_hit = cfg.mode == "resample" and self._handle_cap(kept, step)
-        batch_groups, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
+        chosen, surplus = kept[: cfg.prompts_per_step], kept[cfg.prompts_per_step :]
         # AReaL's dynamic batch trains on this round's accepted groups only
-        self.carry = surplus if cfg.carry_surplus and cfg.mode != "dynamic_batch" else []
+        carried = surplus if cfg.carry_surplus and cfg.mode != "dynamic_batch" else []
+        with timer.phase("exchange"):
+            groups = self._fetch(chosen + carried)
+        batch_groups, self.carry = groups[: len(chosen)], groups[len(chosen) :]
         self._assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
         metrics["dynamic_sampling/dropped_surplus_groups"] = float(len(surplus) - len(self.carry))
@@ -151,7 +160,9 @@ class RolloutSampler:
             cfg.prompts_per_step - n_kept, cfg.adaptive_min_prompts, cfg.adaptive_max_prompts
         )
 
-    def _generate_round(self, step: int, round_idx: int, n_prompts: int, timer: PhaseTimer) -> list[Group]:
+    def _generate_round(self, step: int, round_idx: int, n_prompts: int, timer: PhaseTimer) -> list[GroupSummary]:
+        """Generate, score and filter this replica's share of a round; every rank gets every group's summary,
+        in prompt order. The replica keeps its groups' tokens until the step's batch is chosen."""
         cfg = self.settings
         prompts = self.prompts.take(n_prompts)  # identical on every rank
         mine = prompts[self.replica :: self.n_replicas]
@@ -166,7 +177,11 @@ class RolloutSampler:
             groups = self._generate(mine, params, step)
         with timer.phase("reward"):
             self._score(groups)
-        gathered = self.all_gather(groups)
+        keys = [(round_idx, i) for i in range(len(groups))]
+        self._local.update(zip(keys, groups))
+        gathered = self.all_gather(
+            [summarize(g, keep, self.replica, key) for g, keep, key in zip(groups, self._keep_mask(groups), keys)]
+        )
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
         n, tp = self.n_replicas, self.engine_tp_size
         return [gathered[(i % n) * tp][i // n] for i in range(len(prompts))]
@@ -224,12 +239,24 @@ class RolloutSampler:
             )
         return penalty_B
 
+    def _fetch(self, wanted: list[Group | GroupSummary]) -> list[Group]:
+        """Full groups for `wanted` (carried groups already are): the tokens of the summarised ones come from the
+        replicas that generated them (collective). The step's other generated groups are dropped here."""
+        summaries = [g for g in wanted if isinstance(g, GroupSummary)]
+        fetched = iter(
+            fetch_groups(
+                summaries, self._local, self.replica, self.n_replicas, self.engine_tp_size, self.all_gather_padded
+            )
+        )
+        self._local = {}
+        return [next(fetched) if isinstance(g, GroupSummary) else g for g in wanted]
+
     def _keep_mask(self, groups: list[Group]) -> list[bool]:
         if not self.settings.dynamic_sampling:
             return [True] * len(groups)
         return [bool(self.keep_filter(g)) for g in groups]
 
-    def _handle_cap(self, kept: list[Group], step: int) -> bool:
+    def _handle_cap(self, kept: list[Group | GroupSummary], step: int) -> bool:
         """True when the round cap left the batch short (logged), or a DynamicSamplingCapError in strict mode."""
         cfg = self.settings
         if len(kept) >= cfg.prompts_per_step:
@@ -282,7 +309,7 @@ def _policy_lag_metrics(batch: list[Group], step: int) -> dict[str, float]:
 
 
 def _rollout_metrics(
-    generated: list[Group], batch: list[Group], rounds: int, carried: int, cfg: SamplerSettings
+    generated: list[GroupSummary], batch: list[Group], rounds: int, carried: int, cfg: SamplerSettings
 ) -> dict[str, float]:
     metrics = {
         "dynamic_sampling/kept_groups": float(len(batch)),
@@ -294,7 +321,7 @@ def _rollout_metrics(
     if not samples:  # the step trained on groups carried over from the previous one
         return metrics
     n = len(samples)
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [s.response_len for s in samples]
     metrics.update(
         {
             "rollout/accuracy": sum(s.correct for s in samples) / n,

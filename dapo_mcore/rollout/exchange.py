@@ -1,0 +1,142 @@
+"""What crosses ranks in a generation round, and how.
+
+Each engine replica generates, scores and filters its own share of a round's prompts. Every rank then needs
+to agree on which groups the step trains on and with which advantages, which takes only a summary of each
+group: its prompt, its verdicts, rewards and response lengths, and the replica's keep decision (a custom
+filter sees the whole group where it was generated). Those summaries are all-gathered as objects: a few
+numbers per sample, no tokens.
+
+Tokens move once, for the kept groups only (at the paper's 3 x 512 prompts a round, most generated groups
+are never trained on), as flat tensors: each replica lays out its kept groups' token ids (each prompt once,
+then its responses) and then their log-probs, bit-cast to int32, in one int32 tensor. The summaries give
+every rank each replica's exact layout and size, so one all-gather of padded tensors moves them with no
+size exchange and no pickling; the samples built from them hold tensor views, not per-token Python lists.
+
+Legend: T tokens (prompt + responses), R response tokens, G groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dapo_mcore.data.types import Group, Prompt, Sample
+
+
+@dataclass(frozen=True)
+class SampleSummary:
+    response_len: int
+    truncated: bool
+    correct: bool
+    timed_out: bool
+    length_penalty: float
+    reward: float
+    trainable: bool
+    policy_step: int
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    prompt: Prompt
+    prompt_len: int
+    samples: tuple[SampleSummary, ...]
+    keep: bool
+    owner: int  # the engine replica that holds the group's tokens
+    key: tuple[int, int]  # (round, position in the owner's share of that round): finds the group there
+
+    @property
+    def accuracy(self) -> float:
+        return sum(s.correct for s in self.samples) / max(len(self.samples), 1)
+
+    @property
+    def payload_len(self) -> int:
+        """int32 words the group takes in its owner's tensor: tokens (prompt once), then response log-probs."""
+        return self.prompt_len + 2 * sum(s.response_len for s in self.samples)
+
+
+def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> GroupSummary:
+    samples = tuple(
+        SampleSummary(
+            response_len=len(s.response_ids),
+            truncated=s.truncated,
+            correct=s.correct,
+            timed_out=s.timed_out,
+            length_penalty=s.length_penalty,
+            reward=s.reward,
+            trainable=s.trainable,
+            policy_step=s.policy_step,
+        )
+        for s in group.samples
+    )
+    prompt_len = len(group.samples[0].prompt_ids) if group.samples else 0
+    return GroupSummary(group.prompt, prompt_len, samples, bool(keep), owner, key)
+
+
+def pack_groups(groups: Sequence[Group]) -> torch.Tensor:
+    """One int32 tensor: every group's prompt and response token ids, then every response's log-probs (float32
+    bits), in the order of `groups`."""
+    token_parts, logprob_parts = [], []
+    for group in groups:
+        token_parts.append(torch.as_tensor(group.samples[0].prompt_ids, dtype=torch.int32))
+        for s in group.samples:
+            token_parts.append(torch.as_tensor(s.response_ids, dtype=torch.int32))
+            logprob_parts.append(torch.as_tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32))
+    tokens_T = torch.cat(token_parts) if token_parts else torch.zeros(0, dtype=torch.int32)
+    logprobs_R = torch.cat(logprob_parts) if logprob_parts else torch.zeros(0, dtype=torch.float32)
+    return torch.cat([tokens_T, logprobs_R.view(torch.int32)])
+
+
+def unpack_groups(summaries: Sequence[GroupSummary], payload: torch.Tensor) -> list[Group]:
+    """The groups `pack_groups` laid out, rebuilt from their summaries; samples hold views of `payload`."""
+    n_tokens = sum(g.prompt_len + sum(s.response_len for s in g.samples) for g in summaries)
+    tokens_T, logprobs_R = payload[:n_tokens], payload[n_tokens:].view(torch.float32)
+    groups, t, r = [], 0, 0
+    for g in summaries:
+        prompt_ids = tokens_T[t : t + g.prompt_len]
+        t += g.prompt_len
+        samples = []
+        for s in g.samples:
+            samples.append(_sample(s, prompt_ids, tokens_T[t : t + s.response_len], logprobs_R[r : r + s.response_len]))
+            t, r = t + s.response_len, r + s.response_len
+        groups.append(Group(prompt=g.prompt, samples=samples))
+    return groups
+
+
+def _sample(s: SampleSummary, prompt_ids: torch.Tensor, response_ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
+    return Sample(
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        rollout_logprobs=logprobs,
+        finish_reason="length" if s.truncated else "stop",  # engines end requests with these two only
+        policy_step=s.policy_step,
+        correct=s.correct,
+        timed_out=s.timed_out,
+        length_penalty=s.length_penalty,
+        reward=s.reward,
+        trainable=s.trainable,
+    )
+
+
+def fetch_groups(
+    wanted: Sequence[GroupSummary],
+    local: dict[tuple[int, int], Group],
+    replica: int,
+    n_replicas: int,
+    engine_tp_size: int,
+    all_gather_padded: Callable[[torch.Tensor, int], list[torch.Tensor]],
+) -> list[Group]:
+    """The full groups of `wanted` (the same summaries, in the same order, on every rank), each taken from the
+    replica that generated it: `local` holds this replica's groups by key. Collective."""
+    per_owner = [[g for g in wanted if g.owner == o] for o in range(n_replicas)]
+    lengths = [sum(g.payload_len for g in mine) for mine in per_owner]
+    if not wanted:  # the same on every rank: no collective
+        return []
+    payload = pack_groups([local[g.key] for g in per_owner[replica]])
+    # the ranks of one replica hold the same groups: take each replica's first rank's tensor
+    gathered = all_gather_padded(payload, max(lengths))[::engine_tp_size]
+    by_owner = [
+        iter(unpack_groups(mine, tensor[:length])) for mine, tensor, length in zip(per_owner, gathered, lengths)
+    ]
+    return [next(by_owner[g.owner]) for g in wanted]
