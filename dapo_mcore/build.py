@@ -121,7 +121,15 @@ def build_run(cfg: RunConfig) -> Run:
     check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
-    ctx = init_parallel(tp, pp, par.device, par.timeout_minutes, seed=cfg.trainer.seed, vpp=vpp)
+    ctx = init_parallel(
+        tp,
+        pp,
+        par.device,
+        par.timeout_minutes,
+        cfg.trainer.seed,
+        vpp,
+        wait_timeout_minutes=par.generation_timeout_minutes,
+    )
     lock = None
     try:
         preflight(cfg, ctx, checkpoint_bytes(model_config, cfg.model.dtype), problems)
@@ -421,7 +429,7 @@ def build_sampler(
         sampler_settings(cfg),
         rank=ctx.rank,
         world_size=ctx.world_size,
-        all_gather=all_gather_objects,
+        all_gather=partial(all_gather_objects, group=ctx.wait_group),  # after generating: a long wait
         keep_filter=keep_filter,
         engine_tp_size=cfg.rollout.engine_tp_size,
         all_gather_padded=partial(all_gather_padded, device=ctx.device),
@@ -451,7 +459,7 @@ def build_validator(
         settings,
         replica=ctx.rank // tp,
         n_replicas=ctx.world_size // tp,
-        all_gather=all_gather_objects,
+        all_gather=partial(all_gather_objects, group=ctx.wait_group),  # after generating: a long wait
         engine_tp_size=tp,
     )
 

@@ -63,6 +63,10 @@ class ParallelConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Minutes a collective may wait before the process group gives up (catches hangs instead of sleeping).
     timeout_minutes: int = 30
+    # Minutes a replica that has finished generating (a round, or its share of the held-out sets) may wait
+    # for the slowest one: a round of the paper's 20k-token answers can run far apart across replicas. Only
+    # that meeting point waits so long (on a gloo group of its own); every other collective has timeout_minutes.
+    generation_timeout_minutes: int = 240
     # The preflight's all-reduce across every rank must end within this many seconds (a broken fabric or
     # NCCL setting fails there, before the model is built).
     preflight_timeout_s: float = 300.0

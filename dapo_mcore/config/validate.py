@@ -125,6 +125,12 @@ def _check_mismatch(cfg: RunConfig) -> None:
 
 
 def _check_rollout(cfg: RunConfig) -> None:
+    par = cfg.parallel
+    _require(
+        par.generation_timeout_minutes >= par.timeout_minutes,
+        f"parallel.generation_timeout_minutes={par.generation_timeout_minutes} must be >= parallel.timeout_minutes="
+        f"{par.timeout_minutes}: replicas wait for each other's generation at least as long as for a collective",
+    )
     ro = cfg.rollout
     _require(ro.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
     if cfg.algorithm.dynamic_sampling.enabled:

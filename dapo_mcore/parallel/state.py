@@ -40,6 +40,10 @@ class ParallelContext:
     pg: Any
     # Global rank of each pipeline stage of this rank's pipeline, first to last.
     pp_global_ranks: list[int]
+    # Every rank, on gloo, with a timeout of its own (parallel.generation_timeout_minutes): where replicas meet
+    # after generating, a fast replica waits for the slowest one's long answers longer than any collective of
+    # the default group may wait. Only small objects cross it.
+    wait_group: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -113,9 +117,16 @@ def _quiet_benign_warnings(on_cpu: bool) -> None:
 
 
 def init_parallel(
-    tp: int, pp: int, device_preference: str = "auto", timeout_minutes: int = 30, seed: int = 0, vpp: int = 1
+    tp: int,
+    pp: int,
+    device_preference: str = "auto",
+    timeout_minutes: float = 30,
+    seed: int = 0,
+    vpp: int = 1,
+    wait_timeout_minutes: float = 240,
 ) -> ParallelContext:
-    """Start torch.distributed (torchrun's env, or a one-process group) and Megatron's model parallel groups."""
+    """Start torch.distributed (torchrun's env, or a one-process group), Megatron's model parallel groups and
+    the wait group (ParallelContext.wait_group)."""
     device = resolve_device(device_preference)
     _quiet_benign_warnings(device.type == "cpu")
     _ensure_process_group(device, timeout_minutes)
@@ -149,6 +160,7 @@ def init_parallel(
         dp_size=dp,
         pg=ProcessGroupCollection.use_mpu_process_groups(),
         pp_global_ranks=list(dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())),
+        wait_group=dist.new_group(backend="gloo", timeout=timedelta(minutes=wait_timeout_minutes)),
     )
     log.info("parallel layout: %s", ctx.describe())
     return ctx

@@ -19,8 +19,6 @@ from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, ScriptedEngine
 
-pytestmark = pytest.mark.unit
-
 SETTINGS = dict(
     n_samples_per_prompt=4,
     prompts_per_step=6,

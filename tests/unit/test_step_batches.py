@@ -16,8 +16,6 @@ from dapo_mcore.mcore.actor import build_actor
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 from tests.helpers import random_samples, save_tiny_model
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module", params=["off", "mask"])
 def actor(request, tmp_path_factory):

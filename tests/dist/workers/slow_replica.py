@@ -1,0 +1,40 @@
+"""Worker: rank 1 reaches the post-generation meeting point later than the default group's timeout allows.
+
+    torchrun --nproc_per_node 2 slow_replica.py OUT_DIR
+
+The default group's timeout is 2 s, the wait group's 1 minute. Phase 1: rank 1 sleeps 5 s, then both
+all-gather over the wait group (as the sampler does after generating): it must succeed. Phase 2, the control:
+the same over the default group must time out on rank 0 (else the test could not fail). Each rank writes
+what it saw to OUT_DIR/rank<N>.json.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from dapo_mcore.parallel import all_gather_objects, init_parallel
+
+LATE_S = 5.0
+
+
+def gather_late(ctx, group) -> str:
+    if ctx.rank == 1:
+        time.sleep(LATE_S)
+    try:
+        return "ok: " + ",".join(all_gather_objects(f"r{ctx.rank}", group=group))
+    except Exception as err:  # noqa: BLE001 - what the control expects on rank 0
+        return f"failed: {type(err).__name__}"
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    ctx = init_parallel(1, 1, "cpu", timeout_minutes=2 / 60, wait_timeout_minutes=1)
+    seen = {"wait_group": gather_late(ctx, ctx.wait_group)}
+    seen["default_group"] = gather_late(ctx, None)
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps(seen))
+    # the default group may be broken by the control's timeout: leave without tearing it down collectively
+
+
+if __name__ == "__main__":
+    main()
