@@ -53,10 +53,11 @@ from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
+from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
 from dapo_mcore.rollout.validation import EvalSettings, Validator
-from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, LayoutError, RunLockError
+from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunLockError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
 from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
@@ -320,8 +321,9 @@ def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
 
 def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
     ro = cfg.rollout
-    if ctx.world_size % ro.engine_tp_size:
-        raise LayoutError(f"rollout.engine_tp_size={ro.engine_tp_size} does not divide the world size {ctx.world_size}")
+    # torchrun and slurm/train.sbatch set LOCAL_RANK; a one-process run has none (parallel/state.py sets 0).
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    placement = engine_placement(ctx.rank, local_rank, ctx.world_size, ro.engine_tp_size, ctx.device.type)
     return EngineSettings(
         model_path=cfg.model.hf_path,
         device=str(ctx.device),
@@ -338,6 +340,7 @@ def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
         sleep_level=ro.sleep_level,
         seed=ro.seed,
         weight_bucket_mb=ro.weight_bucket_mb,
+        placement=placement,
     )
 
 

@@ -7,7 +7,9 @@
     dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
     dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
 
-Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2.
+Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2; a rollout
+engine that fails ends with one line naming the engine, the call and the cause (its traceback logged above
+it) and exit code 3; 75: saved and stopped early, run again; 130 / 143: stopped by SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dapo-mcore: error: {err}", file=sys.stderr)
         elif not err.same_on_every_rank:
             print(f"dapo-mcore: error (rank {rank}): {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except StoppedToResume as stop:
         if rank == "0":
             print(f"dapo-mcore: {stop}; run the same command again (checkpoint.resume=auto) to continue",

@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from dapo_mcore.rollout.placement import EnginePlacement
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -50,6 +52,9 @@ class EngineSettings:
     seed: int = 0
     # Engines that receive weights through a serialising call (SGLang) send them in buckets of this size.
     weight_bucket_mb: int = 512
+    # This task's place among the trainer's tasks (rollout/placement.py); None: a standalone engine (eval,
+    # tests) in a process of its own, on the engine's default device.
+    placement: EnginePlacement | None = None
 
 
 @dataclass

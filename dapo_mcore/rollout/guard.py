@@ -1,6 +1,9 @@
 """One clear message when an engine fails: an exception inside an adapter (an engine that raises, a worker
 that died) becomes an EngineError naming the engine, the call and the cause, which the CLI prints as one
-line and exits on. Under torchrun/srun the exit of that rank ends the job: no rank waits for it in a hang."""
+line and exits on (exit code 3, utils/errors.py). The original exception stays chained to it and its whole
+traceback is logged once, at error level, on the rank it happened on (under Slurm: that task's log file),
+where the one line is too short to debug a CUDA or NCCL failure. Under torchrun/srun the exit of that rank
+ends the job: no rank waits for it in a hang."""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import torch
 
 from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
 from dapo_mcore.utils.errors import DapoError, EngineError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 
 class GuardedEngine:
@@ -24,6 +30,7 @@ class GuardedEngine:
         except DapoError:
             raise  # already says what is wrong (an unknown weight name, a wrong shape)
         except Exception as err:
+            log.error("rollout engine '%s' failed in %s; the engine's traceback:", self.name, what, exc_info=err)
             cause = str(err).strip().splitlines()[-1] if str(err).strip() else ""
             raise EngineError(f"rollout engine '{self.name}' failed in {what}: {type(err).__name__}: {cause}") from err
 

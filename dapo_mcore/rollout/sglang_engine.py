@@ -153,6 +153,10 @@ def _engine_kwargs(s: EngineSettings) -> dict:
         kwargs["max_total_tokens"] = (s.cpu_kv_cache_mb << 20) // _kv_bytes_per_token(s.model_path, s.dtype)
     else:
         kwargs["mem_fraction_static"] = s.memory_fraction
+    if s.placement is not None and s.placement.device_index is not None:
+        # SGLang puts TP shard i of an engine on GPU base_gpu_id + i * gpu_id_step; without it every task's
+        # engine would start on GPU 0. One engine per task (engine TP 1): its task's own GPU.
+        kwargs["base_gpu_id"] = s.placement.device_index
     if s.max_num_batched_tokens > 0:
         kwargs["chunked_prefill_size"] = s.max_num_batched_tokens
     if s.max_model_len > 0:

@@ -1,10 +1,12 @@
 """vLLM inside the training processes: one engine replica per `tp_size` ranks, weights pushed in place.
 
-The engine runs in-process (V1 multiprocessing off). At engine TP > 1 it uses vLLM's `external_launcher`
-executor, made for SPMD programs like this one: every rank of an engine group builds the same LLM, makes the
-same generate calls and gets the same answers. Weights come from the actor as HF-named tensors and go through
-vLLM's in-place reload (`collective_rpc("reload_weights")`), which maps names (fused QKV, gate/up) and
-repacks for its kernels, as loading from disk would: no file is written.
+The engine runs in-process (V1 multiprocessing off). Inside the trainer it uses vLLM's `external_launcher`
+executor, made for SPMD programs like this one, at every engine TP size: it puts each task's shard on GPU
+LOCAL_RANK (rollout/placement.py), and every rank of an engine group builds the same LLM, makes the same
+generate calls and gets the same answers. (On the CPU, at engine TP 1, the default executor.) Weights come
+from the actor as HF-named tensors and go through vLLM's in-place reload (`collective_rpc("reload_weights")`),
+which maps names (fused QKV, gate/up) and repacks for its kernels, as loading from disk would: no file is
+written.
 
 Only this module imports vllm (DESIGN.md: engines stay behind the adapter).
 """
@@ -50,6 +52,7 @@ class VLLMEngine:
         # torch.set_num_threads for the whole process: keep the actor's threads as they are.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         set_num_threads = torch.set_num_threads
+        _check_local_rank(settings)
         from vllm import LLM
 
         try:
@@ -133,10 +136,14 @@ def _llm_kwargs(s: EngineSettings) -> dict:
         enable_sleep_mode=not on_cpu and s.sleep_level > 0,
         disable_log_stats=True,
     )
-    if s.tp_size > 1:
+    if s.tp_size > 1 or (s.placement is not None and not on_cpu):
+        # Every task of the trainer builds its own LLM (SPMD). vLLM's default in-process executor puts the
+        # engine on GPU 0 whatever the task; external_launcher takes the task's RANK and LOCAL_RANK from the
+        # environment and runs its shard on GPU LOCAL_RANK (the placement's device_index), at every TP size.
+        # No data_parallel_size: the world's ranks beyond one TP group are vLLM's "external DP" replicas,
+        # each generating on its own (a DP size would join all replicas' steps in lockstep, so one replica
+        # with fewer generate calls than the others would hang them).
         kwargs["distributed_executor_backend"] = "external_launcher"
-        # external_launcher takes the data-parallel size from the world: one engine replica per TP group.
-        kwargs["data_parallel_size"] = int(os.environ.get("WORLD_SIZE", "1")) // s.tp_size
     if on_cpu:  # a fraction would be of the host's memory: give the KV cache a size instead
         kwargs["kv_cache_memory_bytes"] = s.cpu_kv_cache_mb << 20
         # A seeded request whose prompt is prefilled in parts makes vLLM rewind its generator with
@@ -150,6 +157,16 @@ def _llm_kwargs(s: EngineSettings) -> dict:
     if s.max_model_len > 0:
         kwargs["max_model_len"] = s.max_model_len
     return kwargs
+
+
+def _check_local_rank(s: EngineSettings) -> None:
+    """external_launcher reads LOCAL_RANK itself: it must name the device the placement chose."""
+    p = s.placement
+    if p is not None and p.device_index is not None and os.environ.get("LOCAL_RANK") != str(p.device_index):
+        raise RuntimeError(
+            f"the vLLM engine of rank {p.rank} belongs on cuda:{p.device_index}, but LOCAL_RANK="
+            f"{os.environ.get('LOCAL_RANK', 'unset')} would put it elsewhere"
+        )
 
 
 def _repack_tied_lm_head(worker) -> None:

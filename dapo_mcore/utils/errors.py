@@ -1,4 +1,11 @@
-"""The errors dapo_mcore raises for bad input. The CLI prints them as one clear line, no traceback."""
+"""The errors dapo_mcore raises for bad input and for failed engines. The CLI prints them as one clear line, no
+traceback, and exits with the error's `exit_code`: 2 for bad input, ENGINE_EXIT_CODE for an engine failure."""
+
+# Bad input (config, data, layout, checkpoint, preflight): fix the input, then run again.
+BAD_INPUT_EXIT_CODE = 2
+# A rollout engine raised or died (an OOM, a CUDA or NCCL error, a worker lost): the input may be fine, and a
+# scheduler or a person can tell this apart from 2 (and from 75: saved, run again; 130/143: stopped).
+ENGINE_EXIT_CODE = 3
 
 
 class DapoError(Exception):
@@ -6,6 +13,7 @@ class DapoError(Exception):
 
     # Raised alike on every rank (a bad config is bad everywhere), so rank 0 alone prints it.
     same_on_every_rank = True
+    exit_code = BAD_INPUT_EXIT_CODE
 
 
 class ConfigError(DapoError):
@@ -25,9 +33,11 @@ class CheckpointError(DapoError):
 
 
 class EngineError(DapoError):
-    """A rollout engine raised or its worker died; raised on the rank whose engine failed."""
+    """A rollout engine raised or its worker died; raised on the rank whose engine failed, chained to the
+    original exception (`__cause__`), whose traceback rollout/guard.py has logged."""
 
     same_on_every_rank = False
+    exit_code = ENGINE_EXIT_CODE
 
 
 class RunLockError(DapoError):

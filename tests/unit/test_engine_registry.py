@@ -1,15 +1,19 @@
 """Engines by name: a missing package is one line naming it and its install command; a failing engine is one
-EngineError naming the engine, the call and the cause; engine settings are checked against the world."""
+EngineError naming the engine, the call and the cause, chained to the original exception whose traceback is
+logged, and its own exit code (3, not bad input's 2); engine settings are checked against the world."""
 
 import importlib.util
+import logging
+import traceback
 
 import pytest
 
+from dapo_mcore import cli
 from dapo_mcore.cli import main
 from dapo_mcore.rollout import registry
 from dapo_mcore.rollout.base import EngineSettings, SamplingParams
 from dapo_mcore.rollout.guard import GuardedEngine
-from dapo_mcore.utils.errors import ConfigError, EngineError
+from dapo_mcore.utils.errors import BAD_INPUT_EXIT_CODE, ENGINE_EXIT_CODE, ConfigError, EngineError
 from tests.conftest import REPO
 
 
@@ -34,6 +38,42 @@ class Exploding:
         raise RuntimeError("Worker proc VllmWorker-0 died unexpectedly\nshutting down")
 
 
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_an_engine_failure_keeps_its_cause_and_logs_its_traceback_once():
+    logger, records = logging.getLogger("dapo_mcore.rollout.guard"), Records()
+    logger.addHandler(records)
+    try:
+        with pytest.raises(EngineError) as err:
+            GuardedEngine("vllm", Exploding).generate([[1, 2]], SamplingParams(n=2))
+    finally:
+        logger.removeHandler(records)
+    cause = err.value.__cause__
+    assert isinstance(cause, RuntimeError) and "died unexpectedly" in str(cause)  # the whole message, kept
+    [logged] = [r for r in records.records if r.levelno == logging.ERROR]
+    assert logged.exc_info[1] is cause
+    text = "".join(traceback.format_exception(*logged.exc_info))
+    assert "in generate" in text and "VllmWorker-0 died unexpectedly" in text  # where it was raised, in full
+
+
+def test_the_cli_exits_3_on_an_engine_failure_and_ends_with_one_line(monkeypatch, capsys):
+    def fails_in_the_engine(args):
+        GuardedEngine("vllm", Exploding).generate([[1, 2]], SamplingParams(n=2))
+
+    monkeypatch.setattr(cli, "_show_config", fails_in_the_engine)
+    code = main(["config", "unused.yaml"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == ENGINE_EXIT_CODE == 3 and BAD_INPUT_EXIT_CODE == 2  # bad input keeps 2
+    assert err[-1] == "dapo-mcore: error: rollout engine 'vllm' failed in generate: RuntimeError: shutting down"
+
+
 def test_an_engine_that_raises_becomes_one_error_naming_engine_call_and_cause():
     engine = GuardedEngine("vllm", Exploding)
     with pytest.raises(EngineError) as err:
@@ -43,7 +83,8 @@ def test_an_engine_that_raises_becomes_one_error_naming_engine_call_and_cause():
 
 
 def test_an_engine_that_fails_to_start_stops_the_run_with_one_line(capsys, tmp_path):
-    # A KV cache larger than any machine: vLLM refuses at start; the run ends with exit 2 and one line.
+    # A KV cache larger than any machine: vLLM refuses at start; the run ends with exit 3 and, after the
+    # engine's logged traceback, one line.
     pytest.importorskip("vllm")
     code = main(
         [
@@ -56,9 +97,9 @@ def test_an_engine_that_fails_to_start_stops_the_run_with_one_line(capsys, tmp_p
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2
+    assert code == 3
     assert err[-1].startswith("dapo-mcore: error: rollout engine 'vllm' failed in start:"), err[-3:]
-    assert "Traceback" not in "\n".join(err)
+    assert "rollout engine 'vllm' failed in start; the engine's traceback:" in "\n".join(err)
 
 
 def test_engine_tp_above_one_needs_an_engine_with_tensor_parallelism(capsys, tmp_path):
