@@ -187,7 +187,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     prompts = build_prompt_setup(cfg, tokenizer, spec)
-    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu)
+    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu, cfg.model.fp8)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id, use_te=use_te)
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
@@ -233,7 +233,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
 
 
 def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> tuple[list[Any], LlamaFamilyMap]:
-    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu)
+    use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu, cfg.model.fp8)
     tconfig = build_transformer_config(
         spec,
         tp=ctx.tp_size,

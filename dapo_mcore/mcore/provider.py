@@ -5,6 +5,7 @@ The architecture (ModelSpec) is read from config.json by dapo_mcore.config.model
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -12,6 +13,9 @@ import torch.nn.functional as F
 
 from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.utils.errors import ConfigError, LayoutError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,25 +127,41 @@ def _recompute_kwargs(recompute: str, num_layers: int) -> dict[str, Any]:
     return {}
 
 
-def transformer_engine_available() -> bool:
+def transformer_engine_problem() -> str | None:
+    """Why Transformer Engine's PyTorch layers cannot be used in this environment; None when they import."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine is not installed (pip install 'dapo-mcore[gpu]', or use an NGC PyTorch container)"
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA install raising at import
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401  (what Megatron's TE layer spec imports)
+    except Exception as err:  # ImportError, or a CUDA library that does not load, raising at import
+        cause = (str(err).strip().splitlines() or [""])[0]
+        return f"transformer_engine is installed but does not import: {type(err).__name__}: {cause}"
+    return None
 
 
-def resolve_transformer_impl(choice: str, on_cpu: bool) -> bool:
-    """True when Transformer Engine layers are used."""
+def transformer_engine_available() -> bool:
+    return transformer_engine_problem() is None
+
+
+def resolve_transformer_impl(choice: str, on_cpu: bool, fp8: str = "none") -> bool:
+    """True when Transformer Engine layers are used. Where the config needs them (transformer_impl=
+    transformer_engine, or FP8), a missing or broken install is one ConfigError naming the cause; with "auto"
+    a broken one is a warning, not a silent fall-back to Megatron's local layers."""
     if choice == "local":
         return False
-    available = not on_cpu and transformer_engine_available()
-    if choice == "transformer_engine" and not available:
-        raise ConfigError(
-            "model.transformer_impl=transformer_engine but Transformer Engine is not usable "
-            "here (it needs CUDA and the 'gpu' extra)"
-        )
-    return available
+    asked = f"model.transformer_impl={choice}" + (f" with model.fp8={fp8}" if fp8 != "none" else "")
+    if on_cpu:
+        if choice == "transformer_engine":
+            raise ConfigError(f"{asked} needs CUDA: Transformer Engine layers do not run on the CPU")
+        return False
+    problem = transformer_engine_problem()
+    if problem is None:
+        return True
+    if choice == "transformer_engine" or fp8 != "none":
+        raise ConfigError(f"{asked} needs Transformer Engine: {problem}")
+    if "does not import" in problem:
+        log.warning("model.transformer_impl=auto: %s; using Megatron's local layers instead", problem)
+    return False
 
 
 def _sequence_parallel_local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -> Any:

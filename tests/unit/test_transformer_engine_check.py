@@ -1,0 +1,66 @@
+"""A config that needs Transformer Engine where it is missing or broken: one line naming the cause; with
+transformer_impl=auto a broken install is a warning, never a silent fall-back."""
+
+import logging
+import sys
+
+import pytest
+
+from dapo_mcore.mcore.provider import resolve_transformer_impl
+from dapo_mcore.utils.errors import ConfigError
+
+BROKEN = "libtransformer_engine.so: undefined symbol: cudaGetDriverEntryPointByVersion"
+
+
+@pytest.fixture
+def broken_te(tmp_path, monkeypatch):
+    """A transformer_engine package that is installed (found on sys.path) but fails to import."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"raise ImportError({BROKEN!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in [n for n in sys.modules if n.startswith("transformer_engine")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def missing_te(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine" else find_spec(name, *a)
+    )
+
+
+@pytest.mark.parametrize(
+    "choice, fp8", [("transformer_engine", "none"), ("auto", "e4m3"), ("transformer_engine", "hybrid")]
+)
+def test_a_config_that_needs_it_stops_with_the_import_error(broken_te, choice, fp8):
+    with pytest.raises(ConfigError, match="does not import: ImportError: libtransformer_engine.so: undefined symbol"):
+        resolve_transformer_impl(choice, on_cpu=False, fp8=fp8)
+
+
+def test_a_missing_install_is_named_with_how_to_get_it(missing_te):
+    with pytest.raises(ConfigError, match=r"model.transformer_impl=transformer_engine needs Transformer Engine: "
+                                          r"transformer_engine is not installed \(pip install"):  # fmt: skip
+        resolve_transformer_impl("transformer_engine", on_cpu=False)
+
+
+def test_auto_with_a_broken_install_warns_with_the_cause_and_uses_local_layers(broken_te, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve_transformer_impl("auto", on_cpu=False) is False
+    assert any(BROKEN in r.getMessage() and "local layers" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_without_an_install_uses_local_layers_quietly(missing_te, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve_transformer_impl("auto", on_cpu=False) is False
+    assert not caplog.records
+
+
+def test_on_the_cpu_asking_for_it_is_refused_and_auto_is_local():
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        resolve_transformer_impl("transformer_engine", on_cpu=True)
+    assert resolve_transformer_impl("auto", on_cpu=True) is False
