@@ -288,29 +288,34 @@ class MegatronActor(PolicyRunner):
 
     def offload_for_rollout(self) -> None:
         """While the engine generates: free the DDP gradient buffers (Megatron-Core's offload_grad_buffers; they
-        are zeroed before the next backward anyway) and move the optimizer's moment tensors to host memory.
-        Parameters stay where they are: the old log-probs and the next push need them."""
-        on_gpu = self.ctx.device.type == "cuda"
+        are zeroed before the next backward anyway) and move the optimizer's state (Adam moments, and the fp32
+        main parameters of a bf16 model) to host memory; then hand the freed blocks back to the driver, or
+        PyTorch's cache would keep them from the engine. The model's parameters stay: the old log-probs and
+        the next push need them."""
         for chunk in self.chunks:
-            chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=on_gpu)
+            chunk.offload_grad_buffers(synchronize=self._on_gpu, empty_cache=False)
         self._move_optimizer_state(torch.device("cpu"))
+        if self._on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def restore_after_rollout(self) -> None:
         for chunk in self.chunks:
             chunk.restore_grad_buffers(synchronize=False)
         self._move_optimizer_state(self.ctx.device)
 
+    @property
+    def _on_gpu(self) -> bool:
+        return self.ctx.device.type == "cuda"
+
     def _move_optimizer_state(self, device: torch.device) -> None:
-        # Megatron's own optimizer.offload_to_cpu also moves the optimizer's params, which for fp32 models under
-        # the distributed optimizer are views of the model's parameters: moving them would cut that link.
+        model_params = [p for chunk in self.chunks for p in chunk.parameters()]
         inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for opt in inner:
             if getattr(opt.config, "optimizer_cpu_offload", False):
                 continue  # already kept on the host (optimizer.cpu_offload)
-            for state in opt.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device != device:
-                        state[key] = value.to(device, non_blocking=True)
+            for holder, key in offloadable_state(opt.optimizer, model_params):
+                holder[key] = _moved(holder[key], device)
 
     @property
     def sum_keys(self) -> tuple[str, ...]:
@@ -477,6 +482,33 @@ class MegatronActor(PolicyRunner):
                         diff = (mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]).cpu()
                         (fresh if sample.policy_step == step else stale).append(diff)
         return _gathered(fresh), _gathered(stale)
+
+
+def offloadable_state(optimizer: Any, model_params: list[torch.Tensor]) -> list[tuple[Any, Any]]:
+    """(container, key) of each optimizer tensor that may leave the device while the engine generates: every
+    state tensor (Adam's moments), and each optimized parameter that is a copy of its own (the fp32 main
+    parameters of a bf16 model). Not those sharing storage with the model's parameters (an fp32 model's main
+    parameters under the distributed optimizer are views of its parameter buffer): moving them would cut the
+    link the optimizer writes the update through (why Megatron's own optimizer.offload_to_cpu is not used)."""
+    model_storages = {p.untyped_storage().data_ptr() for p in model_params}
+    found = []
+    for state in optimizer.state.values():
+        found += [(state, key) for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
+    for group in optimizer.param_groups:
+        params = group["params"]
+        found += [
+            (params, i) for i, p in enumerate(params) if p.untyped_storage().data_ptr() not in model_storages
+        ]  # fmt: skip
+    return found
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    if isinstance(tensor, torch.nn.Parameter):  # the same object (the optimizer and its state are keyed by it)
+        tensor.data = tensor.data.to(device, non_blocking=True)
+        return tensor
+    return tensor.to(device, non_blocking=True)
 
 
 def _gathered(local: list[torch.Tensor]) -> torch.Tensor:
