@@ -1,7 +1,6 @@
 """rollout.offload_actor: what leaves the device while the engine generates, and that the freed memory is
 handed back only once everything has left (PyTorch's cache would otherwise keep it from the engine)."""
 
-
 import pytest
 import torch
 
