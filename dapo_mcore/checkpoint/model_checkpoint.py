@@ -147,10 +147,25 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, int | None]]:
     }
 
 
-def verify_complete(ckpt: Path, checksums: bool = False) -> int:
+def checksum_share(files: dict[str, dict[str, int | None]], rank: int, world_size: int) -> list[str]:
+    """The files whose CRC-32 rank `rank` of `world_size` checks: every file with a CRC goes to exactly one rank,
+    largest first to the rank with the fewest bytes so far (ties: lower rank), so each reads about 1/world of
+    the save. The same on every rank (a function of the manifest)."""
+    loads = [0] * world_size
+    mine = []
+    for name in sorted((n for n, e in files.items() if e["crc32"] is not None), key=lambda n: (-files[n]["bytes"], n)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[least] += files[name]["bytes"] or 1
+        if least == rank:
+            mine.append(name)
+    return mine
+
+
+def verify_complete(ckpt: Path, checksums: bool = False, share: tuple[int, int] = (0, 1)) -> int:
     """Raise a CheckpointError naming the file and what is wrong with a save that was cut short (sizes, always)
-    or damaged (CRC-32 of every file, with checksums=True: reads the whole save). Returns the number of files
-    whose CRC-32 was checked (0 for a manifest written before checksums)."""
+    or damaged (CRC-32, with checksums=True: of this rank's `share` = (rank, world size) of the files, see
+    checksum_share; (0, 1) reads the whole save). Returns the number of files whose CRC-32 was checked (0 for
+    a manifest written before checksums)."""
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint {ckpt} does not exist")
     manifest = ckpt / MANIFEST
@@ -174,12 +189,13 @@ def verify_complete(ckpt: Path, checksums: bool = False) -> int:
                 f"checkpoint {ckpt} is damaged: {name} has {path.stat().st_size} bytes, the manifest says "
                 f"{entry['bytes']}"
             )
-    with_crc = {name: entry["crc32"] for name, entry in files.items() if entry["crc32"] is not None}
-    if checksums:
-        for name, crc in with_crc.items():
-            if file_crc32(ckpt / name) != crc:
-                raise CheckpointError(f"checkpoint {ckpt} is damaged: {name} fails its CRC-32 check")
-    return len(with_crc) if checksums else 0
+    if not checksums:
+        return 0
+    mine = checksum_share(files, *share)
+    for name in mine:
+        if file_crc32(ckpt / name) != files[name]["crc32"]:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {name} fails its CRC-32 check")
+    return len(mine)
 
 
 def saves_in(path: Path) -> list[Path]:

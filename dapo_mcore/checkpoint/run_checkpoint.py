@@ -46,7 +46,7 @@ from dapo_mcore.checkpoint.model_checkpoint import (
 )
 from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, on_rank0
+from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, broadcast_object, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import die_with_parent
@@ -254,14 +254,36 @@ class CheckpointManager:
 
     # ----- finding ----------------------------------------------------------------------------------------
     def latest_complete(self) -> Path | None:
-        """The newest intact save (sizes and checksums), the same on every rank; skipped ones are logged."""
-        found = on_rank0(lambda: find_latest_complete(self.root, checksums=True), CheckpointError)
-        return Path(found) if found else None
+        """The newest intact save (sizes and checksums), the same on every rank; skipped ones are logged.
+        Collective: each rank reads its share of each candidate's files (checksum_share)."""
+        candidates = broadcast_object([str(p) for p in saves_newest_first(self.root)], src=0)
+        for ckpt in map(Path, candidates):
+            problem = self._problem_found_by_any_rank(ckpt)
+            if problem is None:
+                return ckpt
+            if self.ctx.rank == 0:
+                log.warning("skipping %s: %s", ckpt.name, problem)
+        return None
 
     def verified(self, path: Path) -> Path:
-        """`path`, after checking every file's size and checksum (a CheckpointError names the damaged file)."""
-        on_rank0(lambda: verify_complete(path, checksums=True), CheckpointError)
+        """`path`, after checking every file's size and checksum (a CheckpointError names the damaged file, on
+        every rank). Collective: each rank reads its share of the files (checksum_share)."""
+        problem = self._problem_found_by_any_rank(path)
+        if problem is not None:
+            raise CheckpointError(problem)
         return path
+
+    def _problem_found_by_any_rank(self, ckpt: Path) -> str | None:
+        """What is wrong with `ckpt` (the lowest rank's finding) or None; each rank checks the sizes and the
+        CRC-32 of its share of the files, so no rank reads the whole save while the others wait."""
+        try:
+            verify_complete(ckpt, checksums=True, share=(self.ctx.rank, self.ctx.world_size))
+            found = None
+        except CheckpointError as err:
+            found = str(err)
+        except OSError as err:  # an unreadable file: reported on every rank like damage
+            found = f"checkpoint {ckpt} could not be read: {type(err).__name__}: {err}"
+        return next((p for p in all_gather_objects(found) if p is not None), None)
 
     # ----- loading ----------------------------------------------------------------------------------------
     def load(self, path: Path, actor: Any, spec: ModelSpec) -> dict[str, Any]:
@@ -419,10 +441,15 @@ def _first_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
+def saves_newest_first(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+
+
 def find_latest_complete(root: Path, checksums: bool = False) -> Path | None:
     """The newest save that checks out; every newer one skipped is logged with why. (`latest` names the same
-    save unless a job was killed between a save's rename and the pointer's update: then this one is newer.)"""
-    for ckpt in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+    save unless a job was killed between a save's rename and the pointer's update: then this one is newer.)
+    One process; CheckpointManager.latest_complete spreads the reading over ranks."""
+    for ckpt in saves_newest_first(root):
         try:
             verify_complete(ckpt, checksums=checksums)
             return ckpt

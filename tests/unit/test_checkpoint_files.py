@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from dapo_mcore.checkpoint.model_checkpoint import check_model_spec
+from dapo_mcore.checkpoint.model_checkpoint import check_model_spec, checksum_share
 from dapo_mcore.config import load_config, validate
 from dapo_mcore.config.model_spec import read_model_spec
 from dapo_mcore.utils.errors import CheckpointError, ConfigError
@@ -54,3 +54,13 @@ def test_pointing_at_the_checkpoint_directory_instead_of_a_save_is_named(tmp_pat
     (tmp_path / "step_000002" / "MANIFEST.json").write_text('["not", "a", "manifest"]')
     with pytest.raises(CheckpointError, match="MANIFEST.json is unreadable"):
         verify_complete(tmp_path / "step_000002")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_every_checksummed_file_is_read_by_exactly_one_rank_and_the_bytes_are_spread(world_size):
+    sizes = [7000, 5000, 3000, 3000, 1200, 900, 800, 40, 10, 0]
+    files = {f"f{i}": {"bytes": b, "crc32": 1} for i, b in enumerate(sizes)} | {"old": {"bytes": 5, "crc32": None}}
+    shares = [checksum_share(files, rank, world_size) for rank in range(world_size)]
+    assert sorted(n for share in shares for n in share) == sorted(f"f{i}" for i in range(len(sizes)))
+    loads = [sum(files[n]["bytes"] for n in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes)  # greedy largest-first: within one file of each other
