@@ -24,6 +24,8 @@ Every mode is sum_it c_it l_it with c_it a constant of the mask, and l_it depend
 and entropy only (the TIS weights and sequence masks come from old and rollout log-probs, detached). So the
 numerator's gradient is per token and known as soon as the token's log-prob is (`token_loss_grad`): the
 fused log-prob head applies it inside its forward chunk loop instead of recomputing logits in backward.
+There is one definition of l_it, `token_losses`: `dapo_loss` aggregates it, and `token_loss_grad` takes its
+gradient by autograd (a few elementwise ops per token), so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -110,28 +112,48 @@ def dapo_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(numerator, denominator, statistic sums) of one micro-batch. Rows are sequences, columns tokens."""
     mask = mask_BT.to(logprobs_BT.dtype)
-    log_ratio = (logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    adv = advantages_BT
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high))
-    if s.dual_clip_c is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * s.dual_clip_c), pg)
-    stats = _clip_stats(ratio, adv, mask, s)
+    ratio = _ratio(logprobs_BT, old_logprobs_BT)
+    stats = _clip_stats(ratio, advantages_BT, mask, s)
+    tis_weight = None
     if s.tis != "none":
-        pg, mask = _mismatch_correction(pg, mask, old_logprobs_BT, rollout_logprobs_BT, s, stats)
-    loss = pg
+        tis_weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats)
+    loss = token_losses(logprobs_BT, old_logprobs_BT, advantages_BT, s, tis_weight, ref_logprobs_BT, entropy_BT)
     if s.kl_beta > 0.0:
-        kl = kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator)
-        loss = loss + s.kl_beta * kl
-        stats["kl"] = (kl.detach() * mask).sum()
-    if s.entropy_coeff > 0.0:
-        loss = loss - s.entropy_coeff * entropy_BT
+        with torch.no_grad():
+            stats["kl"] = (kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator) * mask).sum()
     numerator, denominator = aggregate(loss, mask, s.agg_mode, s.norm_len)
     if s.early_stop_ratio is not None:
         keep = micro_batch_keep(stats, s).to(numerator.dtype)
         numerator, denominator = numerator * keep, denominator * keep
         stats["skipped_micro_batches"] = 1.0 - keep
     return numerator, denominator, stats
+
+
+def token_losses(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    s: LossSettings,
+    tis_weight: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """l_it of every token (any shape, all arguments alike): the one definition of the per-token loss (module
+    docstring), before masking and aggregation. `tis_weight`: the truncated importance weights (tis="token")."""
+    ratio = _ratio(logprobs, old_logprobs)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high))
+    if s.dual_clip_c is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * s.dual_clip_c), pg)
+    loss = pg if tis_weight is None else pg * tis_weight
+    if s.kl_beta > 0.0:
+        loss = loss + s.kl_beta * kl_penalty(logprobs, ref_logprobs, s.kl_estimator)
+    if s.entropy_coeff > 0.0:
+        loss = loss - s.entropy_coeff * entropy
+    return loss
+
+
+def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    return (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
 
 
 def micro_batch_keep(stats: dict[str, torch.Tensor], s: LossSettings) -> torch.Tensor:
@@ -161,18 +183,19 @@ def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
     return stats
 
 
-def _mismatch_correction(pg, mask, old_logprobs, rollout_logprobs, s: LossSettings, stats):
-    """Train/inference mismatch: importance weights of the trainer's old policy over the rollout engine's."""
+def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, stats):
+    """Train/inference mismatch, from the trainer's old policy over the rollout engine's: (truncated importance
+    weights or None, the mask with sequences outside the band dropped)."""
     log_w = _mismatch_log_weights(old_logprobs, rollout_logprobs, s)
     if s.tis == "token":
         weight = _tis_weight(log_w, s)
         stats["tis_weight"] = (weight * mask).sum()
         stats["tis_truncated"] = ((log_w.exp() > s.tis_cap) * mask).sum()
-        return pg * weight, mask
+        return weight, mask
     inside = _sequences_inside(log_w, mask, s)
     has_tokens = mask.sum(dim=-1) > 0
     stats["seq_masked"] = (~inside & has_tokens).to(mask.dtype).sum()
-    return pg, mask * inside.to(mask.dtype).unsqueeze(-1)
+    return None, mask * inside.to(mask.dtype).unsqueeze(-1)
 
 
 def _mismatch_log_weights(old_logprobs, rollout_logprobs, s: LossSettings) -> torch.Tensor:
@@ -191,11 +214,7 @@ def _sequences_inside(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, s: LossSett
     return (seq_log_w_B.exp() >= s.seq_mask_low) & (seq_log_w_B.exp() <= s.seq_mask_high)
 
 
-# ---- the numerator's gradient per token, without autograd -----------------------------------------------
-# Literal transcriptions of autograd's rules for the ops dapo_loss uses, so that the two agree to round-off
-# at every boundary: clamp passes the gradient on [min, max] inclusive; torch.maximum / torch.minimum give
-# it to the winning argument and half to each on a tie (inside the clip range the clipped and unclipped
-# terms tie, and the halves add up to -A); abs passes sign(x), 0 at 0.
+# ---- the numerator's gradient per token -----------------------------------------------------------------
 @dataclass(frozen=True)
 class TokenLossTerms:
     """Everything the gradient of one token's loss needs besides its log-prob: constants of the micro-batch.
@@ -205,8 +224,8 @@ class TokenLossTerms:
 
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
-    pg_weight: torch.Tensor  # d numerator / d pg: aggregation coefficient x mask (x the TIS weight)
-    agg_weight: torch.Tensor  # d numerator / d loss: aggregation coefficient x mask (KL and entropy terms)
+    agg_weight: torch.Tensor  # d numerator / d l_it: aggregation coefficient x mask
+    tis_weight: torch.Tensor | None  # truncated importance weights (tis="token")
     ref_logprobs: torch.Tensor | None
 
     def take(self, index) -> TokenLossTerms:
@@ -227,17 +246,12 @@ def token_loss_terms(
     mask = mask_BT.to(old_logprobs_BT.dtype)
     weight = None
     if s.tis != "none":
-        log_w = _mismatch_log_weights(old_logprobs_BT, rollout_logprobs_BT, s)
-        if s.tis == "token":
-            weight = _tis_weight(log_w, s)
-        else:
-            mask = mask * _sequences_inside(log_w, mask, s).to(mask.dtype).unsqueeze(-1)
-    agg = _aggregation_weights(mask, s.agg_mode, s.norm_len)
+        weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats={})
     return TokenLossTerms(
         old_logprobs=old_logprobs_BT,
         advantages=advantages_BT,
-        pg_weight=agg if weight is None else agg * weight,
-        agg_weight=agg,
+        agg_weight=_aggregation_weights(mask, s.agg_mode, s.norm_len),
+        tis_weight=weight,
         ref_logprobs=ref_logprobs_BT if s.kl_beta > 0.0 else None,
     )
 
@@ -257,16 +271,17 @@ def token_loss_grad(
     logprobs: torch.Tensor, terms: TokenLossTerms, s: LossSettings
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d numerator / d logprobs, d numerator / d entropy or None when the loss has no entropy term), token by
-    token, before the early-stop guard's factor (`micro_batch_keep`). Any shape, the terms' shape."""
-    log_ratio = logprobs - terms.old_logprobs
-    ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
-    d_ratio = ratio * _inside(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    d_logprobs = terms.pg_weight * (_policy_grad(ratio, terms.advantages, s) * d_ratio)
-    if s.kl_beta > 0.0:
-        d_kl = _kl_grad(logprobs - terms.ref_logprobs, s.kl_estimator)
-        d_logprobs = d_logprobs + terms.agg_weight * (s.kl_beta * d_kl)
-    d_entropy = terms.agg_weight * -s.entropy_coeff if s.entropy_coeff > 0.0 else None
-    return d_logprobs, d_entropy
+    token, before the early-stop guard's factor (`micro_batch_keep`). Any shape, the terms' shape. Autograd
+    through `token_losses` (the numerator is sum_it agg_weight_it l_it), wherever it is called from."""
+    with torch.enable_grad():
+        logp = logprobs.detach().requires_grad_()
+        entropy = torch.zeros_like(logp, requires_grad=True) if s.entropy_coeff > 0.0 else None
+        loss = token_losses(
+            logp, terms.old_logprobs, terms.advantages, s, terms.tis_weight, terms.ref_logprobs, entropy
+        )
+        inputs = (logp,) if entropy is None else (logp, entropy)
+        grads = torch.autograd.grad(loss, inputs, grad_outputs=terms.agg_weight.to(loss.dtype))
+    return grads[0], grads[1] if entropy is not None else None
 
 
 def dapo_loss_grad(
@@ -292,44 +307,9 @@ def dapo_loss_grad(
     d_logprobs, d_entropy = token_loss_grad(logprobs_BT, terms, s)
     if s.early_stop_ratio is None:
         return d_logprobs, d_entropy
-    ratio = (logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    ratio = _ratio(logprobs_BT, old_logprobs_BT)
     keep = micro_batch_keep(_clip_stats(ratio, advantages_BT, mask_BT.to(ratio.dtype), s), s)
     return d_logprobs * keep, None if d_entropy is None else d_entropy * keep
-
-
-def _inside(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    return ((x >= low) & (x <= high)).to(x.dtype)
-
-
-def _share(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """The share of torch.maximum(x, other)'s gradient that goes to x: 1, 1/2 on a tie, 0."""
-    return (x > other).to(x.dtype) + 0.5 * (x == other).to(x.dtype)
-
-
-def _policy_grad(ratio: torch.Tensor, adv: torch.Tensor, s: LossSettings) -> torch.Tensor:
-    """d pg / d ratio, pg as dapo_loss computes it (clip-higher, then dual clip for A < 0)."""
-    low, high = 1.0 - s.clip_low, 1.0 + s.clip_high
-    unclipped, clipped = -adv * ratio, -adv * ratio.clamp(low, high)
-    d_pg = _share(unclipped, clipped) * -adv + _share(clipped, unclipped) * (-adv * _inside(ratio, low, high))
-    if s.dual_clip_c is None:
-        return d_pg
-    pg, bound = torch.maximum(unclipped, clipped), -adv * s.dual_clip_c
-    return torch.where(adv < 0, d_pg * _share(bound, pg), d_pg)  # minimum(pg, bound): pg's share
-
-
-def _kl_grad(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
-    """d KL / d logp of `kl_penalty`, with log_ratio = logp - logp_ref."""
-    if estimator == "kl":
-        return torch.ones_like(log_ratio)
-    if estimator == "abs":
-        return log_ratio.sign()
-    if estimator == "mse":
-        return log_ratio
-    if estimator == "low_var_kl":
-        neg = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        k3 = neg.exp() - neg - 1.0
-        return -(neg.exp() - 1.0) * _inside(k3, -10.0, 10.0) * _inside(-log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
 def stat_keys(s: LossSettings) -> tuple[str, ...]:

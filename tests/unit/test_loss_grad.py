@@ -1,6 +1,7 @@
-"""The DAPO numerator's per-token gradient without autograd (algo/losses.py `dapo_loss_grad`) equals
-autograd through `dapo_loss` in float64, for every aggregation mode and option, with tokens exactly on the
-clip, dual-clip and clamp boundaries (where autograd's tie and edge rules decide)."""
+"""The DAPO numerator's per-token gradient (algo/losses.py `dapo_loss_grad`: per-token constants from
+`token_loss_terms`, autograd through `token_losses` token by token) equals autograd through the aggregated
+`dapo_loss` in float64, for every aggregation mode and option, with tokens exactly on the clip, dual-clip and
+clamp boundaries (where autograd's tie and edge rules decide)."""
 
 import math
 
