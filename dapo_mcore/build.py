@@ -34,6 +34,7 @@ from dapo_mcore.mcore.actor import (
     PolicyRunner,
     build_actor,
     build_reference,
+    packing_mode,
 )
 from dapo_mcore.mcore.provider import (
     build_gpt_chunks,
@@ -293,14 +294,6 @@ def actor_settings(cfg: RunConfig, pad_id: int, use_te: bool = False) -> ActorSe
     )
 
 
-def packing_mode(choice: str, use_te: bool) -> str:
-    """trainer.packing -> the actor's mode: a block-diagonal mask with the local spec (exact, tested on the
-    CPU), THD with Transformer Engine only when asked for ("on"): that path is not verified yet."""
-    if choice == "off" or (choice == "auto" and use_te):
-        return "off"
-    return "thd" if use_te else "mask"
-
-
 def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
     opt = cfg.optimizer
     return OptimizerSettings(
@@ -444,15 +437,8 @@ def build_validator(
 ) -> Validator | None:
     if not prompts.eval_sets:
         return None
-    tr, tp = cfg.trainer, cfg.rollout.engine_tp_size
-    settings = EvalSettings(
-        k=tr.eval_k,
-        temperature=tr.eval_temperature,
-        top_p=tr.eval_top_p,
-        max_new_tokens=tr.eval_max_response_len or cfg.rollout.sampling.max_response_len,
-        seed=cfg.rollout.seed,
-        prompts_per_call=max(1, cfg.rollout.gen_prompts_per_round // (ctx.world_size // tp)),
-    )
+    tp = cfg.rollout.engine_tp_size
+    settings = eval_settings(cfg, n_replicas=ctx.world_size // tp)
     return Validator(
         prompts.eval_sets,
         engine,
@@ -464,6 +450,18 @@ def build_validator(
         n_replicas=ctx.world_size // tp,
         all_gather=partial(all_gather_objects, group=ctx.wait_group),  # after generating: a long wait
         engine_tp_size=tp,
+    )
+
+
+def eval_settings(cfg: RunConfig, n_replicas: int) -> EvalSettings:
+    tr = cfg.trainer
+    return EvalSettings(
+        k=tr.eval_k,
+        temperature=tr.eval_temperature,
+        top_p=tr.eval_top_p,
+        max_new_tokens=tr.eval_max_response_len or cfg.rollout.sampling.max_response_len,
+        seed=cfg.rollout.seed,
+        prompts_per_call=max(1, cfg.rollout.gen_prompts_per_round // n_replicas),
     )
 
 

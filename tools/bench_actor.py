@@ -248,7 +248,10 @@ def main() -> None:
         return
     loops = {}
     for name, overrides in HEADS.items():
-        settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, **overrides)
+        # padded rows, as Megatron-Core's own loop runs them
+        settings = ActorSettings(
+            micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, packing="off", **overrides
+        )
         actor = build_actor(ctx, spec, build_gpt_chunks(spec, model_config(), ctx=ctx, use_te=use_te), opt, settings)
         loops[name] = partial(actor.compute_gradients, samples, list(range(len(samples))))
     loops[BASELINE] = megatron_baseline(

@@ -34,27 +34,33 @@ from dataclasses import dataclass
 
 import torch
 
+from dapo_mcore.config.schema import AlgorithmConfig, SamplingConfig
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
 TIS_MODES = ("none", "token", "sequence_mask")
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs drift apart
 
 
+# The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
+_ALGO = AlgorithmConfig()
+
+
 @dataclass(frozen=True)
 class LossSettings:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip_c: float | None = None
-    agg_mode: str = "token-mean"
-    norm_len: int = 1
-    kl_beta: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    entropy_coeff: float = 0.0
-    tis: str = "none"
-    tis_cap: float = 2.0
-    seq_mask_low: float = 0.5
-    seq_mask_high: float = 2.0
-    early_stop_ratio: float | None = None
+    clip_low: float = _ALGO.clip_low
+    clip_high: float = _ALGO.clip_high
+    dual_clip_c: float | None = _ALGO.dual_clip_c
+    agg_mode: str = _ALGO.loss_agg
+    norm_len: int = _ALGO.loss_norm_len or SamplingConfig().max_response_len
+    kl_beta: float = _ALGO.kl.beta
+    kl_estimator: str = _ALGO.kl.estimator
+    entropy_coeff: float = _ALGO.entropy_coeff
+    tis: str = _ALGO.mismatch.tis
+    tis_cap: float = _ALGO.mismatch.tis_cap
+    seq_mask_low: float = _ALGO.mismatch.seq_mask_low
+    seq_mask_high: float = _ALGO.mismatch.seq_mask_high
+    early_stop_ratio: float | None = _ALGO.mismatch.early_stop_ratio
 
     def __post_init__(self):
         for value, options, name in (

@@ -29,6 +29,7 @@ from dapo_mcore.algo.losses import (
     token_loss_terms,
 )
 from dapo_mcore.config.model_spec import ModelSpec
+from dapo_mcore.config.schema import ModelConfig, OptimizerConfig, TrainerConfig
 from dapo_mcore.data.batching import (
     MicroBatch,
     balance_by_tokens,
@@ -58,6 +59,21 @@ from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
 _QUANTILES = (0.5, 0.9, 0.99)
 
 
+PACKING_MODES = ("off", "mask", "thd")
+
+
+def packing_mode(choice: str, use_te: bool) -> str:
+    """trainer.packing -> the actor's mode: a block-diagonal mask with the local spec (exact, tested on the
+    CPU), THD with Transformer Engine only when asked for ("on"): that path is not verified yet."""
+    if choice == "off" or (choice == "auto" and use_te):
+        return "off"
+    return "thd" if use_te else "mask"
+
+
+# The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
+_MODEL, _TRAINER, _OPTIMIZER = ModelConfig(), TrainerConfig(), OptimizerConfig()
+
+
 @dataclass(frozen=True)
 class ActorSettings:
     micro_batch_size: int
@@ -66,25 +82,22 @@ class ActorSettings:
     loss: LossSettings = LossSettings()
     # Log-probs from hidden states at response positions, chunk tokens at a time (mcore/fused_logprobs.py);
     # False: Megatron's output layer gives full logits and mcore/logprobs.py reduces them.
-    fused_logprobs: bool = True
-    logprob_chunk_size: int = 1024
+    fused_logprobs: bool = _MODEL.fused_logprobs
+    logprob_chunk_size: int = _MODEL.logprob_chunk_size
     # With fused_logprobs, in training: the loss's per-token gradient is applied inside the head's forward
     # chunk loop (no logits recompute in backward; keeps d hidden [N, H] and d W [V/tp, H] until backward).
-    fused_loss_grad: bool = True
+    fused_loss_grad: bool = _MODEL.fused_loss_grad
     # > 0: micro-batches hold at most this many (padded) tokens, and DP ranks get equal token counts;
     # 0: micro_batch_size rows each.
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int = _TRAINER.max_tokens_per_micro_batch
     # "off": one padded length per mini-batch; "mask": samples packed into rows (of the token budget, else of
     # the longest sample, micro_batch_size rows each) under a block-diagonal causal mask, exact with the local
     # spec; "thd": the same rows to Transformer Engine as THD with cu_seqlens (GPU; not verified here).
-    packing: str = "off"
+    packing: str = packing_mode(_TRAINER.packing, use_te=False)
 
     def __post_init__(self):
         if self.packing not in PACKING_MODES:
             raise ValueError(f"packing={self.packing!r}; expected one of {PACKING_MODES}")
-
-
-PACKING_MODES = ("off", "mask", "thd")
 
 
 @dataclass
@@ -605,8 +618,8 @@ class OptimizerSettings:
     adam_beta2: float
     adam_eps: float
     use_distributed_optimizer: bool
-    cpu_offload: bool = False
-    offload_fraction: float = 1.0
+    cpu_offload: bool = _OPTIMIZER.cpu_offload
+    offload_fraction: float = _OPTIMIZER.offload_fraction
 
 
 def build_actor(

@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from dapo_mcore.config.schema import RolloutConfig
 from dapo_mcore.rollout.placement import EnginePlacement
 
 
@@ -22,9 +23,15 @@ class SamplingParams:
     seed: int = 0
 
 
+_ROLLOUT = RolloutConfig()
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    """What every adapter is built from (the trainer fills it from the `rollout` config section)."""
+    """What every adapter is built from (the trainer fills it from the `rollout` config section, whose defaults
+    the knobs below take: one set of defaults, tests/unit/test_settings_defaults.py). Where the engine lives
+    (model_path, device, dtype, load_weights, placement) the trainer resolves from the model and the tasks; the
+    defaults here are a standalone engine's on the CPU (eval, tests)."""
 
     model_path: str
     device: str = "cpu"
@@ -32,26 +39,26 @@ class EngineSettings:
     # False: the engine starts with placeholder weights; the actor's arrive through update_weights first.
     load_weights: bool = True
     # Engine tensor-parallel size (vLLM / SGLang); engine replicas = world size / tp_size.
-    tp_size: int = 1
+    tp_size: int = _ROLLOUT.engine_tp_size
     # Fraction of accelerator memory the engine may take for weights + KV cache (vLLM gpu_memory_utilization,
     # SGLang mem_fraction_static).
-    memory_fraction: float = 0.5
+    memory_fraction: float = _ROLLOUT.gpu_memory_utilization
     # KV cache of an engine on the CPU, in MiB (on the CPU a fraction would be of host memory).
-    cpu_kv_cache_mb: int = 512
+    cpu_kv_cache_mb: int = _ROLLOUT.cpu_kv_cache_mb
     # Tokens one engine forward pass may batch (prefill chunks); 0: the engine's default.
-    max_num_batched_tokens: int = 0
+    max_num_batched_tokens: int = _ROLLOUT.max_num_batched_tokens
     # Longest prompt + response the engine accepts; 0: the model's max_position_embeddings.
-    max_model_len: int = 0
-    enable_prefix_caching: bool = True
+    max_model_len: int = _ROLLOUT.max_model_len
+    enable_prefix_caching: bool = _ROLLOUT.enable_prefix_caching
     # CUDA graphs for decoding (GPU only; the CPU always runs eagerly).
-    cuda_graphs: bool = True
+    cuda_graphs: bool = _ROLLOUT.cuda_graphs
     # While the actor trains: vLLM sleep level 1 (weights to host, KV cache freed) or 2 (both freed; the
     # next push refreshes the weights anyway); 0 keeps everything resident.
-    sleep_level: int = 1
+    sleep_level: int = _ROLLOUT.sleep_level
     # Engine-wide seed; each request also carries its own (SamplingParams.seed).
-    seed: int = 0
+    seed: int = _ROLLOUT.seed
     # Engines that receive weights through a serialising call (SGLang) send them in buckets of this size.
-    weight_bucket_mb: int = 512
+    weight_bucket_mb: int = _ROLLOUT.weight_bucket_mb
     # This task's place among the trainer's tasks (rollout/placement.py); None: a standalone engine (eval,
     # tests) in a process of its own, on the engine's default device.
     placement: EnginePlacement | None = None

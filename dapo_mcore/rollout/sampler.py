@@ -26,6 +26,7 @@ import torch
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
+from dapo_mcore.config.schema import AlgorithmConfig, RolloutConfig
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict
 from dapo_mcore.rewards.pool import Verdict
@@ -37,6 +38,7 @@ from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer
 
 log = get_logger(__name__)
+_ALGO = AlgorithmConfig()
 
 
 @dataclass(frozen=True)
@@ -48,27 +50,28 @@ class SamplerSettings:
     top_p: float
     max_response_len: int
     seed: int
-    reward_correct: float = 1.0
-    reward_wrong: float = -1.0
-    adv_estimator: str = "grpo"
-    adv_eps: float = 1e-6
-    adv_batch_normalize: bool = False
-    overlong_enabled: bool = True
-    overlong_buffer_len: int = 4096
-    overlong_penalty_factor: float = 1.0
-    overlong_filter: bool = False
-    length_penalty: bool = False
-    length_penalty_coef: float = 1.0
-    length_penalty_safe_len: int = 0
-    length_penalty_max_len: int = 1
-    dynamic_sampling: bool = True
-    carry_surplus: bool = False
-    mode: str = "resample"
-    max_rounds: int = 10
-    on_cap: str = "train"
-    adaptive: bool = False
-    adaptive_min_prompts: int = 1
-    adaptive_max_prompts: int = 4096
+    # The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
+    reward_correct: float = _ALGO.reward.correct
+    reward_wrong: float = _ALGO.reward.wrong
+    adv_estimator: str = _ALGO.advantage.estimator
+    adv_eps: float = _ALGO.advantage.eps
+    adv_batch_normalize: bool = _ALGO.advantage.batch_normalize
+    overlong_enabled: bool = _ALGO.overlong.enabled
+    overlong_buffer_len: int = _ALGO.overlong.buffer_len
+    overlong_penalty_factor: float = _ALGO.overlong.penalty_factor
+    overlong_filter: bool = _ALGO.overlong.filter_truncated
+    length_penalty: bool = _ALGO.length_penalty.enabled
+    length_penalty_coef: float = _ALGO.length_penalty.coef
+    length_penalty_safe_len: int = _ALGO.length_penalty.safe_len
+    length_penalty_max_len: int = _ALGO.length_penalty.max_len
+    dynamic_sampling: bool = _ALGO.dynamic_sampling.enabled
+    carry_surplus: bool = RolloutConfig().carry_surplus
+    mode: str = _ALGO.dynamic_sampling.mode
+    max_rounds: int = _ALGO.dynamic_sampling.max_rounds
+    on_cap: str = _ALGO.dynamic_sampling.on_cap
+    adaptive: bool = _ALGO.dynamic_sampling.adaptive
+    adaptive_min_prompts: int = _ALGO.dynamic_sampling.adaptive_min_prompts
+    adaptive_max_prompts: int = _ALGO.dynamic_sampling.adaptive_max_prompts
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.algo.eval_metrics import eval_metrics
+from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 
@@ -20,15 +21,20 @@ from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 Checked = tuple[list[list[bool]], list[list[str | None]]]
 
 
+_TRAINER, _ROLLOUT = TrainerConfig(), RolloutConfig()
+
+
 @dataclass(frozen=True)
 class EvalSettings:
-    k: int = 32
-    # The DAPO paper's AIME evaluation: avg@32 at temperature 1.0, top-p 0.7.
-    temperature: float = 1.0
-    top_p: float = 0.7
-    max_new_tokens: int = 1024
-    seed: int = 0
-    prompts_per_call: int = 16
+    # The config schema's defaults (one set: tests/unit/test_settings_defaults.py), the DAPO paper's AIME
+    # evaluation: avg@32 at temperature 1.0, top-p 0.7.
+    k: int = _TRAINER.eval_k
+    temperature: float = _TRAINER.eval_temperature
+    top_p: float = _TRAINER.eval_top_p
+    max_new_tokens: int = _TRAINER.eval_max_response_len or _ROLLOUT.sampling.max_response_len
+    seed: int = _ROLLOUT.seed
+    # Prompts per engine call (of one replica).
+    prompts_per_call: int = _ROLLOUT.gen_prompts_per_round
 
 
 def answer_and_check(

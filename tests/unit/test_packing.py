@@ -92,7 +92,7 @@ def test_mask_is_block_diagonal_causal():
 
 
 def test_packing_is_on_with_the_local_spec_and_off_with_te_unless_asked():
-    from dapo_mcore.build import packing_mode
+    from dapo_mcore.mcore.actor import packing_mode
 
     assert packing_mode("auto", use_te=False) == "mask" and packing_mode("auto", use_te=True) == "off"
     assert packing_mode("on", use_te=True) == "thd" and packing_mode("off", use_te=False) == "off"

@@ -74,6 +74,7 @@ def build(args, mbs):
         fused_logprobs=not args.naive_logprobs,
         logprob_chunk_size=5,
         fused_loss_grad=not args.recompute_logits,
+        packing=args.packing.split(",")[0],  # the first layout is the reference of the others
     )
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
