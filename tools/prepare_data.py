@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dapo_mcore.data.published import LAYOUTS, PromptRow, convert_file, deduplicate
-from dapo_mcore.data.templates import instruction_parts
+from dapo_mcore.data.templates import instruction_parts, wrap
 from dapo_mcore.utils.errors import DapoError
 
 
@@ -73,7 +73,7 @@ def convert(files: list[Path], layout: str | None, keep_duplicates: bool) -> lis
 
 def with_instruction(rows: list[PromptRow], instruction: str) -> list[PromptRow]:
     prefix, suffix = instruction_parts(instruction)
-    return [replace(row, prompt=prefix + row.prompt + suffix) for row in rows]
+    return [replace(row, prompt=wrap(row.prompt, prefix, suffix)) for row in rows]
 
 
 def split(rows: list[PromptRow], n_heldout: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:

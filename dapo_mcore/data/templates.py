@@ -34,6 +34,15 @@ def instruction_parts(instruction: str) -> tuple[str, str]:
     return prefix, suffix
 
 
+def wrap(problem: str, prefix: str, suffix: str) -> str:
+    """prefix + problem + suffix, unless the problem carries that instruction already: prompt files prepared
+    with it (tools/prepare_data.py --instruction dapo, the DAPO-Math-17k prompts) read the same whether or not
+    the run or the eval adds it too (it was applied twice to AIME files prepared with it)."""
+    if (prefix or suffix) and problem.startswith(prefix) and problem.endswith(suffix):
+        return problem
+    return prefix + problem + suffix
+
+
 @dataclass
 class _Encoded:
     input_ids: list[int]
@@ -61,13 +70,13 @@ class PromptFormatter:
 
     def text(self, problem: str) -> str:
         """The prompt as text (for logs and eval reports)."""
-        body = self.prefix + problem + self.suffix
+        body = wrap(problem, self.prefix, self.suffix)
         if self.template == "none":
             return body
         return self.tokenizer.apply_chat_template(self._messages(body), add_generation_prompt=True, tokenize=False)
 
     def __call__(self, problem: str) -> _Encoded:
-        body = self.prefix + problem + self.suffix
+        body = wrap(problem, self.prefix, self.suffix)
         if self.template == "none":
             ids = list(self.tokenizer(body).input_ids)
         else:

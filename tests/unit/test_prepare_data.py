@@ -9,6 +9,7 @@ import pytest
 
 from dapo_mcore.data.datasets import load_jsonl_prompts
 from dapo_mcore.data.published import convert_file
+from dapo_mcore.data.tokenizer import build_char_tokenizer
 from dapo_mcore.utils.errors import DataError
 from dapo_mcore.utils.latex import last_boxed
 from tools.prepare_data import main
@@ -150,3 +151,14 @@ def test_the_tool_can_wrap_each_problem_in_the_dapo_instruction(tmp_path):
     assert main([str(aime), "--out", str(out), "--instruction", "Q: {problem}"]) == 0
     assert load_jsonl_prompts(out)[0].text == "Q: " + AIME_ROWS[0]["problem"]
     assert main([str(aime), "--out", str(out), "--instruction", "bogus"]) == 2
+
+
+def test_an_aime_file_prepared_with_the_instruction_carries_it_once_in_training_and_evaluation(tmp_path):
+    from dapo_mcore.data.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptFormatter
+
+    aime, out = write_jsonl(tmp_path / "aime.jsonl", AIME_ROWS), tmp_path / "aime.dapo.jsonl"
+    assert main([str(aime), "--out", str(out), "--instruction", "dapo"]) == 0
+    problem = load_jsonl_prompts(out)[0].text
+    # the run (data.instruction=dapo) or the eval (--instruction dapo) on the prepared file
+    text = PromptFormatter(build_char_tokenizer(tmp_path / "tok"), instruction="dapo").text(problem)
+    assert text == DAPO_PREFIX + AIME_ROWS[0]["problem"] + DAPO_SUFFIX
