@@ -22,7 +22,7 @@ from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_sta
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
-from dapo_mcore.config.validate import eval_file_list, run_dir_of
+from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list, run_dir_of
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import Prompt
@@ -153,10 +153,6 @@ def preflight(cfg: RunConfig, ctx: ParallelContext, save_bytes: int, path_proble
         room = room_problem(checkpoint_dir_of(cfg), save_bytes)
     raise_shared([room] if room else [])
     log.info("preflight passed: %s", check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
-
-
-def checkpoint_dir_of(cfg: RunConfig) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
 
 
 def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> RunLock | None:

@@ -6,6 +6,7 @@
     dapo-mcore eval MODEL --data FILE.jsonl [...]            avg@k / pass@k / maj@k of a model on prompt files
     dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
     dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
+    dapo-mcore check CONFIG.yaml [section.key=value ...]     every file the run reads is in place (before sbatch)
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2; a rollout
 engine that fails ends with one line naming the engine, the call and the cause (its traceback logged above
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, func, help_ in (
         ("train", _train, "run DAPO training"),
         ("config", _show_config, "print the resolved config"),
+        ("check", _check, "check the config and that every file the run reads is in place (no GPU, no model)"),
     ):
         cmd = sub.add_parser(name, help=help_)
         cmd.add_argument("config", help="recipe YAML (see examples/)")
@@ -162,6 +164,27 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = train(load_config(args.config, args.overrides))
     if os.environ.get("RANK", "0") == "0":
         print(f"dapo-mcore: run finished; metrics, config and curves in {run_dir}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    """What a job would meet before its model is built, on this machine: the config's checks (config.json,
+    data and eval files) and the preflight's path checks (weights, tokenizer, a writable checkpoint directory).
+    Run it where the job's files are (a login node of the cluster) before sbatch."""
+    from dapo_mcore.config import load_config, validate
+    from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list
+    from dapo_mcore.launch import path_problems, tokenizer_problem
+    from dapo_mcore.utils.errors import ConfigError
+
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)  # the first problem, as one line
+    problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
+    problems += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
+    if problems:
+        raise ConfigError("the run would not start:\n" + "\n".join(f"  {p}" for p in problems))
+    reads = [f"model {cfg.model.hf_path}", f"prompts {cfg.data.source}"]
+    reads += [f"held-out {name}" for name in eval_file_list(cfg.data.eval_files)]
+    print(f"dapo-mcore check: {args.config} is ready to launch: {', '.join(reads)}; saves to {checkpoint_dir_of(cfg)}")
     return 0
 
 

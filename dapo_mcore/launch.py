@@ -207,6 +207,14 @@ def path_problems(model_path: str, init: str, checkpoint_dir: Path) -> list[str]
     return problems
 
 
+def tokenizer_problem(model_path: str) -> str | None:
+    """The model directory has no tokenizer files (a weights-only copy): the run could not encode a prompt."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if any((Path(model_path) / name).is_file() for name in names):
+        return None
+    return f"model.hf_path {model_path}: no tokenizer files ({', '.join(names)})"
+
+
 def room_problem(checkpoint_dir: Path, save_bytes: int) -> str | None:
     """A first save must fit: the free space at the checkpoint directory against the save's estimated size."""
     free = shutil.disk_usage(_existing_ancestor(checkpoint_dir)).free

@@ -186,6 +186,11 @@ def run_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.logging.run_dir or f"runs/{cfg.name}")
 
 
+def checkpoint_dir_of(cfg: RunConfig) -> Path:
+    """checkpoint.dir, or <run dir>/checkpoints when it is empty."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
+
+
 def eval_file_list(text: str) -> list[str]:
     """data.eval_files as a list of paths."""
     return [part.strip() for part in text.split(",") if part.strip()]
