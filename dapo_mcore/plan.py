@@ -347,14 +347,18 @@ def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank:
 
 
 def _resident_while_generating(cfg: RunConfig, state: dict[str, Line]) -> tuple[Line, ...]:
-    """rollout.offload_actor frees the grad buffers and moves the Adam moments to the host while the engine
-    generates (MegatronActor.offload_for_rollout); the weights and the fp32 master copy stay."""
+    """rollout.offload_actor frees the grad buffers and moves the optimizer state (Adam moments, the fp32 master
+    copy of a bf16 / fp16 model) to the host while the engine generates (MegatronActor.offload_for_rollout);
+    the weights stay."""
     if not cfg.rollout.offload_actor:
         return tuple(state.values())
+    master = state["master"]
+    if master.bytes > 0:
+        master = Line(master.name, 0.0, "in host memory while generating (rollout.offload_actor)", master.kind)
     return (
         state["weights"],
         Line("actor gradients", 0.0, "freed while generating (rollout.offload_actor)"),
-        state["master"],
+        master,
         Line("actor Adam moments", 0.0, "in host memory while generating (rollout.offload_actor)"),
     )
 
