@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 slow_replica.py OUT_DIR
 
-The default group's timeout is 2 s, the wait group's 1 minute. Phase 1: rank 1 sleeps 5 s, then both
+The default group's timeout is 1 s, the wait group's 1 minute. Phase 1: rank 1 sleeps 2.5 s, then both
 all-gather over the wait group (as the sampler does after generating): it must succeed. Phase 2, the control:
 the same over the default group must time out on rank 0 (else the test could not fail). Each rank writes
 what it saw to OUT_DIR/rank<N>.json.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dapo_mcore.parallel import all_gather_objects, init_parallel
 
-LATE_S = 5.0
+LATE_S = 2.5
 
 
 def gather_late(ctx, group) -> str:
@@ -29,7 +29,7 @@ def gather_late(ctx, group) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    ctx = init_parallel(1, 1, "cpu", timeout_minutes=2 / 60, wait_timeout_minutes=1)
+    ctx = init_parallel(1, 1, "cpu", timeout_minutes=1 / 60, wait_timeout_minutes=1)
     seen = {"wait_group": gather_late(ctx, ctx.wait_group)}
     seen["default_group"] = gather_late(ctx, None)
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(seen))
