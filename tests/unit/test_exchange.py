@@ -18,17 +18,9 @@ from dapo_mcore.rollout.exchange import pack_groups, summarize, unpack_groups
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, ScriptedEngine
+from tests.unit.test_sampler import BASE
 
-SETTINGS = dict(
-    n_samples_per_prompt=4,
-    prompts_per_step=6,
-    gen_prompts_per_round=8,
-    temperature=1.0,
-    top_p=1.0,
-    max_response_len=16,
-    seed=0,
-    overlong_buffer_len=4,
-)
+SETTINGS = {**BASE, "prompts_per_step": 6}  # 8 prompts a round: surplus to drop or carry
 
 
 class ThreadWorld:
