@@ -81,22 +81,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_eval_parser(sub) -> None:
+    # validation's defaults, from the config schema (EvalSettings takes the same ones; not a third copy)
+    from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
+
     cmd = sub.add_parser("eval", help="avg@k, pass@k and maj@k of a model on prompt files")
     cmd.add_argument(
         "model", help="HF model directory, Megatron-Core checkpoint / run save (step_N/), or run directory"
     )
     cmd.add_argument("--data", nargs="+", required=True, help="prompt files (.jsonl of {prompt, answer})")
-    cmd.add_argument("--k", type=int, default=32, help="answers per problem (default 32, as AIME avg@32)")
+    cmd.add_argument("--k", type=int, default=TrainerConfig.eval_k, help="answers per problem (default %(default)s)")
     cmd.add_argument("--engine", default="hf", choices=["hf", "vllm", "sglang"])
     cmd.add_argument("--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function")
-    cmd.add_argument("--temperature", type=float, default=1.0, help="default 1.0 (the DAPO paper's AIME evaluation)")
-    cmd.add_argument("--top-p", type=float, default=0.7, help="default 0.7 (the DAPO paper's AIME evaluation)")
+    paper = "default %(default)s (the DAPO paper's AIME evaluation: avg@32, temperature 1.0, top-p 0.7)"
+    cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=paper)
+    cmd.add_argument("--top-p", type=float, default=TrainerConfig.eval_top_p, help=paper)
     cmd.add_argument("--max-new-tokens", type=int, default=1024)
     cmd.add_argument("--template", default="none", choices=["none", "chat"])
     cmd.add_argument("--instruction", default="none", help="none, dapo, or a text with {problem} in it")
     cmd.add_argument("--device", default="cpu")
     cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--seed", type=int, default=RolloutConfig.seed)
     cmd.add_argument("--out", help="write the results as JSON here")
     cmd.set_defaults(func=_eval)
 

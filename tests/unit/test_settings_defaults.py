@@ -52,3 +52,13 @@ def test_every_default_is_the_config_schemas(cls):
             assert field.default == getattr(built, field.name), f"{cls.__name__}.{field.name}"
         elif field.default_factory is not dataclasses.MISSING:
             assert field.default_factory() == getattr(built, field.name), f"{cls.__name__}.{field.name}"
+
+
+def test_eval_commands_flag_defaults_are_validations():
+    """`dapo-mcore eval` answers as the trainer's validation does unless told otherwise (no third copy)."""
+    from dapo_mcore.cli import _parser
+
+    args = _parser().parse_args(["eval", "model_dir", "--data", "aime.jsonl"])
+    built = built_from_the_default_config()[EvalSettings]
+    for name in ("k", "temperature", "top_p", "seed"):
+        assert getattr(args, name) == getattr(built, name) == getattr(EvalSettings, name), name
