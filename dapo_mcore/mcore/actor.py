@@ -307,7 +307,9 @@ class MegatronActor(PolicyRunner):
         the next push need them."""
         for chunk in self.chunks:
             chunk.offload_grad_buffers(synchronize=self._on_gpu, empty_cache=False)
-        self._move_optimizer_state(torch.device("cpu"))
+        # copy: a new host tensor even where the host is the device (the CPU mode), so the CPU tests run the
+        # same move, swap and restore as a GPU run, and the old tensors are released either way
+        self._move_optimizer_state(torch.device("cpu"), copy=True)
         if self._on_gpu:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -321,14 +323,16 @@ class MegatronActor(PolicyRunner):
     def _on_gpu(self) -> bool:
         return self.ctx.device.type == "cuda"
 
-    def _move_optimizer_state(self, device: torch.device) -> None:
+    def _move_optimizer_state(self, device: torch.device, copy: bool = False) -> None:
         model_params = [p for chunk in self.chunks for p in chunk.parameters()]
         inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for opt in inner:
             if getattr(opt.config, "optimizer_cpu_offload", False):
                 continue  # already kept on the host (optimizer.cpu_offload)
             for holder, key in offloadable_state(opt.optimizer, model_params):
-                holder[key] = _moved(holder[key], device)
+                # a param (its group's list holds it) keeps its identity: the optimizer's state is keyed by it,
+                # and the (distributed) optimizer copies its update to the model through that same object
+                holder[key] = _moved(holder[key], device, copy, same_object=isinstance(holder, list))
 
     @property
     def sum_keys(self) -> tuple[str, ...]:
@@ -515,13 +519,16 @@ def offloadable_state(optimizer: Any, model_params: list[torch.Tensor]) -> list[
     return found
 
 
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.device == device:
+def _moved(tensor: torch.Tensor, device: torch.device, copy: bool = False, same_object: bool = False) -> torch.Tensor:
+    """`tensor` on `device` (a new tensor with copy=True, even where it already is). same_object: the same
+    Python object with its `.data` swapped. Megatron's fp32 main params are plain tensors, not Parameters
+    (`param.detach().clone().float()` in both optimizers): the caller must say so, their type cannot."""
+    if tensor.device == device and not copy:
         return tensor
-    if isinstance(tensor, torch.nn.Parameter):  # the same object (the optimizer and its state are keyed by it)
-        tensor.data = tensor.data.to(device, non_blocking=True)
+    if same_object:
+        tensor.data = tensor.data.to(device, non_blocking=True, copy=copy)
         return tensor
-    return tensor.to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True, copy=copy)
 
 
 def _gathered(local: list[torch.Tensor]) -> torch.Tensor:

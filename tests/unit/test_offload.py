@@ -52,7 +52,9 @@ def test_the_cache_is_emptied_after_the_grad_buffers_and_the_optimizer_state_lef
     monkeypatch.setattr(type(actor), "_on_gpu", property(lambda self: True))  # the GPU's order of calls, on the CPU
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     monkeypatch.setattr(
-        actor_module, "_moved", lambda t, device, _real=actor_module._moved: events.append("moved") or _real(t, device)
+        actor_module,
+        "_moved",
+        lambda *args, _real=actor_module._moved, **kw: events.append("moved") or _real(*args, **kw),
     )
     chunk = actor.chunks[0]
     real_offload = chunk.offload_grad_buffers
