@@ -65,7 +65,12 @@ class Group:
 
     @property
     def accuracy(self) -> float:
-        return sum(s.correct for s in self.samples) / max(len(self.samples), 1)
+        return accuracy(self.samples)
+
+
+def accuracy(samples) -> float:
+    """The share of correct answers of a group (0 for none); samples: anything with `.correct`."""
+    return sum(s.correct for s in samples) / max(len(samples), 1)
 
 
 def group_to_dict(group: Group) -> dict:

@@ -496,7 +496,7 @@ class MegatronActor(PolicyRunner):
                         sample = batches.samples[index]
                         start = offset + len(sample.prompt_ids) - 1
                         span = slice(start, start + len(sample.response_ids))
-                        diff = (mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]).cpu()
+                        diff = mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]
                         (fresh if sample.policy_step == step else stale).append(diff)
         return _gathered(fresh), _gathered(stale)
 
@@ -532,7 +532,9 @@ def _moved(tensor: torch.Tensor, device: torch.device, copy: bool = False, same_
 
 
 def _gathered(local: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(all_gather_objects(torch.cat(local) if local else torch.zeros(0))).double()
+    """Every rank's token values, concatenated; one copy to the host per rank (not one per sample)."""
+    mine = torch.cat(local).cpu() if local else torch.zeros(0)
+    return torch.cat(all_gather_objects(mine)).double()
 
 
 def _logprob_gap_metrics(diff: torch.Tensor, prefix: str) -> dict[str, float]:

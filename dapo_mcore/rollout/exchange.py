@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_mcore.data.types import Group, Prompt, Sample
+from dapo_mcore.data.types import Group, Prompt, Sample, accuracy
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class GroupSummary:
 
     @property
     def accuracy(self) -> float:
-        return sum(s.correct for s in self.samples) / max(len(self.samples), 1)
+        return accuracy(self.samples)
 
     @property
     def payload_len(self) -> int:
@@ -129,10 +129,10 @@ def fetch_groups(
 ) -> list[Group]:
     """The full groups of `wanted` (the same summaries, in the same order, on every rank), each taken from the
     replica that generated it: `local` holds this replica's groups by key. Collective."""
-    per_owner = [[g for g in wanted if g.owner == o] for o in range(n_replicas)]
-    lengths = [sum(g.payload_len for g in mine) for mine in per_owner]
     if not wanted:  # the same on every rank: no collective
         return []
+    per_owner = [[g for g in wanted if g.owner == o] for o in range(n_replicas)]
+    lengths = [sum(g.payload_len for g in mine) for mine in per_owner]
     payload = pack_groups([local[g.key] for g in per_owner[replica]])
     # the ranks of one replica hold the same groups: take each replica's first rank's tensor
     gathered = all_gather_padded(payload, max(lengths))[::engine_tp_size]
