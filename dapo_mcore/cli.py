@@ -173,10 +173,12 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """What a job would meet before its model is built, on this machine: the config's checks (config.json,
-    data and eval files) and the preflight's path checks (weights, tokenizer, a writable checkpoint directory).
-    Run it where the job's files are (a login node of the cluster) before sbatch."""
+    data and eval files), every row of the prompt files read by the run's own loaders, and the preflight's
+    path checks (weights, tokenizer, a writable checkpoint directory). Run it where the job's files are (a
+    login node of the cluster) before sbatch."""
     from dapo_mcore.config import load_config, validate
     from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list
+    from dapo_mcore.data.datasets import build_prompt_source, load_jsonl_prompts
     from dapo_mcore.launch import path_problems, tokenizer_problem
     from dapo_mcore.utils.errors import ConfigError
 
@@ -186,8 +188,16 @@ def _check(args: argparse.Namespace) -> int:
     problems += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
     if problems:
         raise ConfigError("the run would not start:\n" + "\n".join(f"  {p}" for p in problems))
-    reads = [f"model {cfg.model.hf_path}", f"prompts {cfg.data.source}"]
-    reads += [f"held-out {name}" for name in eval_file_list(cfg.data.eval_files)]
+    data = cfg.data  # a bad row is a DataError naming the file and line, as in the run
+    source = build_prompt_source(
+        data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
+    )
+    reads = [
+        f"model {cfg.model.hf_path}",
+        f"prompts {data.source}" + ("" if data.source == "arithmetic" else f" ({len(source)})"),
+    ]
+    for name in eval_file_list(data.eval_files):
+        reads.append(f"held-out {name} ({len(load_jsonl_prompts(name, data.prompt_key, data.answer_key))})")
     print(f"dapo-mcore check: {args.config} is ready to launch: {', '.join(reads)}; saves to {checkpoint_dir_of(cfg)}")
     return 0
 

@@ -51,3 +51,25 @@ def test_missing_recipe_file():
 def test_config_command_prints_the_resolved_config():
     proc = run_cli("config", "examples/smoke_cpu.yaml", "algorithm.clip_high=0.31")
     assert proc.returncode == 0 and "clip_high: 0.31" in proc.stdout
+
+
+def test_check_reads_every_prompt_row_before_a_job_is_submitted(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{"prompt": "What is 2+2?"}\n')
+    proc = run_cli("check", "examples/smoke_cpu.yaml", f"data.source={bad}", f"logging.run_dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"dapo-mcore: error: {bad}:2: missing key 'answer' (keys present: ['prompt'])"
+    )
+    good = run_cli(
+        "check",
+        "examples/smoke_cpu.yaml",
+        f"logging.run_dir={tmp_path}/run",
+        "data.eval_files=examples/data/sums.jsonl",
+    )
+    assert (
+        good.returncode == 0
+        and "is ready to launch" in good.stdout
+        and "held-out examples/data/sums.jsonl (" in good.stdout
+    )
