@@ -14,6 +14,9 @@ ratio ours/baseline. Use a config.json alone (random weights) or a full HF direc
 --long-cot N: instead, N samples with log-normal lengths in [--min-len, --max-len] (long-CoT-like), one
 mini-batch, trained padded to one length (micro_batch_size rows), padded by a token budget, and packed into
 rows of that budget (trainer.packing): real tokens/s and padding efficiency (real / computed tokens) of each.
+
+--fp8 e4m3|hybrid (Transformer Engine on a GPU): instead, the actor with the default head in --dtype against
+the same actor with FP8 linear layers (--fp8-recipe), the first one as the baseline.
 """
 
 from __future__ import annotations
@@ -216,15 +219,17 @@ def main() -> None:
     ap.add_argument("--long-cot", type=int, default=0, help="N long-tailed samples: padded vs packed")
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--fp8", default="none", choices=["none", "e4m3", "hybrid"], help="bf16 vs FP8 actor (TE)")
+    ap.add_argument("--fp8-recipe", default="blockwise", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
     args = ap.parse_args()
     hf = Path(args.hf)
     spec = read_model_spec(load_hf_config(hf.parent if hf.name == "config.json" else hf))
     ctx = init_parallel(args.tp, args.pp, "auto", seed=0)
     use_te = resolve_transformer_impl(args.transformer_impl, ctx.is_cpu)
 
-    def model_config():  # one per model: Megatron's schedules write into it
+    def model_config(**fp8):  # one per model: Megatron's schedules write into it
         return build_transformer_config(
-            spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te
+            spec, tp=args.tp, pp=args.pp, dtype=args.dtype, on_cpu=ctx.is_cpu, use_te=use_te, **fp8
         )
 
     samples = synthetic_samples(args.micro_batch * args.micro_batches * ctx.dp_size, args.seq, spec.vocab_size)
@@ -246,6 +251,10 @@ def main() -> None:
         bench_long_cot(args, actor, ctx)
         destroy_parallel()
         return
+    if args.fp8 != "none":
+        bench_fp8(args, spec, ctx, model_config, opt, samples, use_te)
+        destroy_parallel()
+        return
     loops = {}
     for name, overrides in HEADS.items():
         # padded rows, as Megatron-Core's own loop runs them
@@ -263,7 +272,23 @@ def main() -> None:
     destroy_parallel()
 
 
-def report(args, spec, ctx, seconds: dict[str, float]) -> None:
+def bench_fp8(args, spec, ctx, model_config, opt, samples, use_te: bool) -> None:
+    """The default actor in --dtype against the same actor with FP8 linear layers (Transformer Engine)."""
+    settings = ActorSettings(micro_batch_size=args.micro_batch, temperature=1.0, pad_id=0, packing="off")
+    configs = {
+        f"dapo_mcore actor, {args.dtype} (baseline)": {},
+        f"dapo_mcore actor, FP8 {args.fp8} {args.fp8_recipe}": dict(fp8=args.fp8, fp8_recipe=args.fp8_recipe),
+    }
+    loops = {}
+    for name, fp8 in configs.items():
+        chunks = build_gpt_chunks(spec, model_config(**fp8), ctx=ctx, use_te=use_te)
+        actor = build_actor(ctx, spec, chunks, opt, settings)
+        loops[name] = partial(actor.compute_gradients, samples, list(range(len(samples))))
+    times = time_in_turns(loops, args.steps, args.warmup, ctx.device)
+    report(args, spec, ctx, {name: statistics.median(t) for name, t in times.items()}, baseline=next(iter(loops)))
+
+
+def report(args, spec, ctx, seconds: dict[str, float], baseline: str = BASELINE) -> None:
     if ctx.rank != 0:
         return
     tokens = args.micro_batch * args.micro_batches * args.seq  # per data-parallel replica and step
@@ -274,7 +299,7 @@ def report(args, spec, ctx, seconds: dict[str, float]) -> None:
         f"{spec.model_type} h={spec.hidden_size} L={spec.num_layers} V={spec.vocab_size} | {ctx.describe()} | "
         f"{device} {args.dtype} | seq {args.seq} x {args.micro_batch} x {args.micro_batches} micro-batches"
     )
-    base = seconds[BASELINE]
+    base = seconds[baseline]
     print("| loop | s/step | tokens/s per rank | model TFLOP/s per rank | throughput vs baseline |")
     print("|---|---|---|---|---|")
     for name, secs in seconds.items():

@@ -11,6 +11,11 @@ forward and backward run beside the Adam state the first one created. Measured: 
 the RSS just before the model was built. Planned: the actor's lines of the plan's train phase (weights,
 gradients, optimizer, activations, score buffer, peak transient, micro-batch tensors) for the same config.
 
+--device cuda: the same cases in bfloat16 on a GPU, measured as torch.cuda.max_memory_allocated() minus the
+allocation before the model was built (the planner's figures are per GPU, so this is their home ground):
+
+    python tools/bench_memory.py --device cuda --cases 80M:4096 500M:4096 500M:16384 500M:16384:full
+
 glibc's malloc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which freed
 tensors of that size stay in its heap: RSS then counts memory the process no longer uses, more of it the more
 steps ran. The children therefore run with MALLOC_MMAP_THRESHOLD_=65536 (every block of 64 KiB or more is
@@ -35,6 +40,9 @@ MODELS = {  # random Llama configs: ~20M and ~83M parameters, most of the smalle
     "80M": dict(
         hidden_size=512, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1536
     ),
+    "500M": dict(  # ~0.5B, for the GPU
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, intermediate_size=4096
+    ),
 }
 PROMPT, RESPONSE = 64, 448  # every sample: 512 tokens
 DEFAULT_CASES = ("20M:1024", "20M:4096", "80M:1024", "80M:4096", "80M:4096:full", "20M:2048:selective")
@@ -52,15 +60,15 @@ def hf_config(name: str) -> dict:
     )
 
 
-def run_config(budget: int, recompute: str):
+def run_config(budget: int, recompute: str, device: str = "cpu"):
     from dapo_mcore.config import load_config
 
     rows = budget // (PROMPT + RESPONSE)
     return load_config(
         None,
         [
-            "parallel.device=cpu",
-            "model.dtype=float32",
+            f"parallel.device={device}",
+            f"model.dtype={'float32' if device == 'cpu' else 'bfloat16'}",
             "model.init=random",
             f"model.recompute={recompute}",
             f"trainer.max_tokens_per_micro_batch={budget}",
@@ -96,29 +104,24 @@ def synthetic_samples(n: int, vocab: int) -> list:
     return out
 
 
-def measure(model: str, budget: int, recompute: str) -> dict:
-    """In this (fresh) process: the RSS growth of building the actor and one train_step of two mini-batches."""
+def measure(model: str, budget: int, recompute: str, device: str) -> dict:
+    """In this (fresh) process: the memory growth of building the actor and one train_step of two
+    mini-batches (RSS on the CPU, torch's allocations on a GPU)."""
+    if device == "cuda":
+        return measure_cuda(model, budget, recompute)
     import gc
 
     import psutil
     import torch
 
-    from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
-    from dapo_mcore.config.model_spec import read_model_spec
-    from dapo_mcore.mcore.actor import build_actor
     from dapo_mcore.parallel import destroy_parallel, init_parallel
 
     torch.set_num_threads(2)
-    cfg, spec = run_config(budget, recompute), read_model_spec(hf_config(model))
     ctx = init_parallel(1, 1, "cpu")
     gc.collect()
     before = psutil.Process().memory_info().rss
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    chunks, _ = load_policy_chunks(cfg, ctx, spec)
-    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
-    rows = cfg.trainer.mini_batch_size
-    samples = synthetic_samples(2 * rows, spec.vocab_size)
-    actor.train_step(actor.prepare(samples, [list(range(rows)), list(range(rows, 2 * rows))]))
+    build_and_step(ctx, model, budget, recompute, "cpu")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     destroy_parallel()
     if peak <= peak_before:
@@ -126,24 +129,54 @@ def measure(model: str, budget: int, recompute: str) -> dict:
     return {"measured": peak - before}
 
 
-def planned(model: str, budget: int, recompute: str) -> dict:
+def build_and_step(ctx, model: str, budget: int, recompute: str, device: str) -> None:
+    """Build the actor as build.py does and run one train_step of two mini-batches."""
+    from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
+    from dapo_mcore.config.model_spec import read_model_spec
+    from dapo_mcore.mcore.actor import build_actor
+
+    cfg, spec = run_config(budget, recompute, device), read_model_spec(hf_config(model))
+    chunks, _ = load_policy_chunks(cfg, ctx, spec)
+    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
+    rows = cfg.trainer.mini_batch_size
+    samples = synthetic_samples(2 * rows, spec.vocab_size)
+    actor.train_step(actor.prepare(samples, [list(range(rows)), list(range(rows, 2 * rows))]))
+
+
+def measure_cuda(model: str, budget: int, recompute: str) -> dict:
+    import torch
+
+    from dapo_mcore.parallel import destroy_parallel, init_parallel
+
+    ctx = init_parallel(1, 1, "cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    build_and_step(ctx, model, budget, recompute, "cuda")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    destroy_parallel()
+    return {"measured": peak - before}
+
+
+def planned(model: str, budget: int, recompute: str, device: str = "cpu") -> dict:
     from dapo_mcore.plan import plan_memory
 
-    cfg = run_config(budget, recompute)
+    cfg = run_config(budget, recompute, device)
     plan = plan_memory(cfg, hf_config(model), gpu_gb=1024, gpus=1)
     lines = [line for line in plan.phase("train").lines if line.kind == "actor"]
     return {"planned": sum(line.bytes for line in lines), "lines": {line.name: line.bytes for line in lines}}
 
 
-def run_case(case: str, glibc_default: bool) -> dict:
+def run_case(case: str, glibc_default: bool, device: str) -> dict:
     model, budget, *rest = case.split(":")
     recompute = rest[0] if rest else "none"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath}
     if not glibc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run(
-        [sys.executable, __file__, "--measure", case], capture_output=True, text=True, env=env, cwd=REPO, timeout=900
-    )
+    cmd = [sys.executable, __file__, "--measure", case, "--device", device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"case {case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -153,7 +186,8 @@ def run_case(case: str, glibc_default: bool) -> dict:
         "budget": int(budget),
         "recompute": recompute,
         **measured,
-        **planned(model, int(budget), recompute),
+        "device": device,
+        **planned(model, int(budget), recompute, device),
     }
 
 
@@ -162,7 +196,7 @@ def report(results: list[dict]) -> None:
     print("| model | params | token budget | recompute | planned MiB | measured MiB | planned / measured |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        params = r["lines"]["actor weights"] / 4 / 1e6
+        params = r["lines"]["actor weights"] / (4 if r["device"] == "cpu" else 2) / 1e6
         print(
             f"| {r['model']} | {params:.1f}M | {r['budget']} | {r['recompute']} | {r['planned'] / mib:.0f} | "
             f"{r['measured'] / mib:.0f} | {r['planned'] / r['measured']:.2f} |"
@@ -176,13 +210,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="MODEL:BUDGET[:RECOMPUTE]")
     ap.add_argument("--glibc-default", action="store_true", help="measure without MALLOC_MMAP_THRESHOLD_")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bfloat16, torch's allocations")
     ap.add_argument("--measure", help=argparse.SUPPRESS)  # the child process of one case
     args = ap.parse_args()
     if args.measure:
         model, budget, *rest = args.measure.split(":")
-        print(json.dumps(measure(model, int(budget), rest[0] if rest else "none")))
+        print(json.dumps(measure(model, int(budget), rest[0] if rest else "none", args.device)))
         return
-    report([run_case(case, args.glibc_default) for case in args.cases])
+    report([run_case(case, args.glibc_default, args.device) for case in args.cases])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On the GPU machine (no network), after tools/gpu_wheels.sh here and the carrying calls of docs/gpu.md:
+#
+#   bash tools/gpu_install.sh stage         copy the carried .te<N>/ chunk into /tmp/te-chunks (one per call)
+#   bash tools/gpu_install.sh wheels        install .whl/*.whl (megatron-core, TE's Python deps) into python
+#   bash tools/gpu_install.sh te            reassemble the TE core wheel, check it, install it and the meta
+#                                           wheel, and build transformer_engine_torch against this torch in the
+#                                           background (setsid: it outlives the call; log /tmp/te-build.log)
+#   bash tools/gpu_install.sh te-wait [S]   wait up to S seconds (default 540) for that build, then import TE
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3}"
+chunks=/tmp/te-chunks
+pip_install() { "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@"; }
+
+case "${1:-}" in
+stage)
+  mkdir -p $chunks && cp .te[0-9]*/* $chunks/ && ls -la $chunks
+  ;;
+wheels)
+  pip_install .whl/*.whl && "$py" -c "import megatron.core as m; print('megatron-core', m.__version__)"
+  ;;
+te)
+  set -e
+  wheel=$(ls $chunks/*.part1 | sed 's/\.part1$//')
+  cat $(ls $chunks/*.part* | sort -V) >"$wheel"
+  (cd $chunks && sha256sum -c SHA256SUMS)
+  pip_install "$wheel"
+  sdist=$(ls .whl/transformer_engine_torch-*.tar.gz)
+  cp "$sdist" /tmp/
+  # sm_90 only (the H100/H200), all cores; the build must outlive this call, so it gets its own session
+  setsid nohup env NVTE_CUDA_ARCHS=90 MAX_JOBS="$(nproc)" NVTE_FRAMEWORK=pytorch bash -c \
+    "$py -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir /tmp/$(basename "$sdist") \
+     >/tmp/te-build.log 2>&1; echo \$? >/tmp/te-build.rc" </dev/null >/dev/null 2>&1 &
+  echo "transformer_engine_torch: building in the background (/tmp/te-build.log)"
+  ;;
+te-wait)
+  for _ in $(seq "${2:-540}"); do [[ -f /tmp/te-build.rc ]] && break; sleep 1; done
+  tail -n 30 /tmp/te-build.log
+  [[ -f /tmp/te-build.rc ]] || { echo "transformer_engine_torch: still building"; exit 1; }
+  [[ "$(cat /tmp/te-build.rc)" == 0 ]] || { echo "transformer_engine_torch: build failed"; exit 1; }
+  "$py" -c "import transformer_engine.pytorch as te, transformer_engine; print('transformer-engine', transformer_engine.__version__)"
+  ;;
+*)
+  sed -n 2,9p "$0"
+  exit 2
+  ;;
+esac
