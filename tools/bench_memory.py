@@ -136,8 +136,9 @@ def build_and_step(ctx, model: str, budget: int, recompute: str, device: str) ->
     from dapo_mcore.mcore.actor import build_actor
 
     cfg, spec = run_config(budget, recompute, device), read_model_spec(hf_config(model))
-    chunks, _ = load_policy_chunks(cfg, ctx, spec)
-    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
+    chunks, family = load_policy_chunks(cfg, ctx, spec)
+    settings = actor_settings(cfg, pad_id=0, use_te=family.te_layer_names)
+    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
     rows = cfg.trainer.mini_batch_size
     samples = synthetic_samples(2 * rows, spec.vocab_size)
     actor.train_step(actor.prepare(samples, [list(range(rows)), list(range(rows, 2 * rows))]))

@@ -6,7 +6,10 @@
 #   bash tools/gpu_install.sh te            reassemble the TE core wheel, check it, install it and the meta
 #                                           wheel, and build transformer_engine_torch against this torch in the
 #                                           background (setsid: it outlives the call; log /tmp/te-build.log)
+#                                           (or unpack .whl/transformer_engine_torch-*-built-*.tgz, a build
+#                                           kept from an earlier machine with the same torch, by "te-keep")
 #   bash tools/gpu_install.sh te-wait [S]   wait up to S seconds (default 540) for that build, then import TE
+#   bash tools/gpu_install.sh te-keep DIR   pack the built transformer_engine_torch into DIR (e.g. $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
@@ -18,7 +21,8 @@ stage)
   mkdir -p $chunks && cp .te[0-9]*/* $chunks/ && ls -la $chunks
   ;;
 wheels)
-  pip_install .whl/*.whl && "$py" -c "import megatron.core as m; print('megatron-core', m.__version__)"
+  # megatron-core imports transformer_engine when it is there: import it after the "te" step, not here
+  pip_install .whl/*.whl
   ;;
 te)
   set -e
@@ -26,6 +30,12 @@ te)
   cat $(ls $chunks/*.part* | sort -V) >"$wheel"
   (cd $chunks && sha256sum -c SHA256SUMS)
   pip_install "$wheel"
+  built=$(ls .whl/transformer_engine_torch-*-built-*.tgz 2>/dev/null | head -1)
+  if [[ -n "$built" ]]; then  # a build from an earlier machine (same torch): no need to compile again
+    tar xzf "$built" -C "$("$py" -c 'import site; print(site.getsitepackages()[0])')"
+    echo 0 >/tmp/te-build.rc && echo "transformer_engine_torch: $built unpacked" | tee /tmp/te-build.log
+    exit 0
+  fi
   sdist=$(ls .whl/transformer_engine_torch-*.tar.gz)
   cp "$sdist" /tmp/
   # sm_90 only (the H100/H200), all cores; the build must outlive this call, so it gets its own session
@@ -41,8 +51,17 @@ te-wait)
   [[ "$(cat /tmp/te-build.rc)" == 0 ]] || { echo "transformer_engine_torch: build failed"; exit 1; }
   "$py" -c "import transformer_engine.pytorch as te, transformer_engine; print('transformer-engine', transformer_engine.__version__)"
   ;;
+te-keep)
+  site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
+  torch_tag=$("$py" -c 'import torch; print(torch.__version__.replace("+", "-"))')
+  te=$("$py" -c 'import importlib.metadata as m; print(m.version("transformer_engine_torch"))')
+  # every file pip installed for it (its RECORD): the extension lies in transformer_engine/wheel_lib/
+  (cd "$site" && tar czf "$2/transformer_engine_torch-$te-built-torch$torch_tag.tgz" \
+    $(cut -d, -f1 transformer_engine_torch-"$te".dist-info/RECORD))
+  ls -la "$2"
+  ;;
 *)
-  sed -n 2,9p "$0"
+  sed -n 2,13p "$0"
   exit 2
   ;;
 esac

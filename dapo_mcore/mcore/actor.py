@@ -385,10 +385,11 @@ class MegatronActor(PolicyRunner):
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
+        # summed where the stats are (one host copy at the end, not a GPU sync per micro-batch and key)
+        totals = torch.zeros(len(self.sum_keys), dtype=torch.float64, device=self.ctx.device)
         for stats in self._run_schedule(micro, forward_only=False):
-            totals += torch.stack([torch.as_tensor(stats[k]).double().cpu() for k in self.sum_keys])
-        return totals
+            totals += torch.stack([torch.as_tensor(stats[k], device=self.ctx.device).double() for k in self.sum_keys])
+        return totals.cpu()
 
     def _loss(self, mb: MicroBatch, logits: torch.Tensor):
         # The loss wants one row per sample (per-sequence aggregation and masks): packed rows are regrouped.

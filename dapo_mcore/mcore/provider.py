@@ -192,7 +192,7 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
         if config.sequence_parallel:
             layer_spec = _sequence_parallel_local_block(spec, layer_spec, ctx)
-    return [
+    chunks = [
         GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -210,3 +210,10 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
         )
         for chunk in range(ctx.vpp_size)
     ]
+    if not ctx.is_cpu:
+        # What Megatron's own get_model does after building: the local spec's norms (torch.nn.RMSNorm when apex
+        # is missing) are made on the host in float32; move every chunk to this rank's GPU and cast it to the
+        # params dtype, as Float16Module does (else a bf16 GPU run fails in its first norm, found on an H100).
+        for model in chunks:
+            model.to(device=ctx.device, dtype=config.params_dtype)
+    return chunks

@@ -95,7 +95,8 @@ def actor_reference(tmp_path: Path, prompts: list[list[int]], samples: list[tupl
     torch.save({"prompts": prompts, "max_new_tokens": MAX_NEW, "samples": samples}, job)
     cmd = [ACTOR_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}"]
     cmd += [str(Path(__file__).with_name("actor_reference.py")), str(MODEL), str(job), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # CPU mode refuses a machine with a visible GPU; the reference hides it (the GPU engine cases run beside it)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)

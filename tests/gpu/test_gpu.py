@@ -18,7 +18,9 @@ needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs 
 
 
 def run(hf_dir: Path, out: Path, *args: str) -> dict:
-    run_torchrun(WORKER, 1, str(hf_dir), str(out), *args)
+    # the CPU-mode reference runs with the GPU hidden: CPU mode refuses a machine with a visible GPU
+    env = None if "cuda" in args else {"CUDA_VISIBLE_DEVICES": ""}
+    run_torchrun(WORKER, 1, str(hf_dir), str(out), *args, env=env)
     return torch.load(out, map_location="cpu")
 
 

@@ -42,7 +42,7 @@ class LlamaFamilyMap:
     """Name and layout map between a Megatron GPTModel and an HF Llama/Qwen2/Qwen3 checkpoint."""
 
     def __init__(self, spec: ModelSpec, te_layer_names: bool = False):
-        self.spec = spec
+        self.spec, self.te_layer_names = spec, te_layer_names
         self._rules = self._build_rules(te_layer_names)
         self._patterns = [
             (re.compile("^" + re.escape(r.mcore).replace(r"\{i\}", r"(\d+)") + "$"), r) for r in self._rules

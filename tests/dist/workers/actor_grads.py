@@ -81,7 +81,7 @@ def build(args, mbs):
 
 
 def loss_of(ctx, totals):
-    totals = totals.clone()
+    totals = totals.to(ctx.device)  # NCCL reduces GPU tensors only
     dist.all_reduce(totals, group=ctx.pg.dp)
     dist.all_reduce(totals, group=ctx.pg.pp)
     return (totals[0] / totals[1]).item()  # sum_keys: loss numerator, denominator, ...
