@@ -46,7 +46,7 @@ except Exception as e: print(\"transformer-engine: not importable:\", e)'"
 step gpu-tests "$py" -m pytest -q -rs tests/gpu tests/engines/test_engine_contract.py -k "gpu or cuda"
 step bench-logprob "$py" tools/bench_logprob.py --tokens 4096 16384 --hidden 3584 --vocab 151936 --dtype bfloat16 \
   --device cuda
-step bench-actor "$py" tools/bench_actor.py --hf $qwen --seq 1024 --micro-batch 8 --micro-batches 4 --steps 5 \
+step bench-actor "$py" tools/bench_actor.py --hf $qwen --seq 1024 --micro-batch 4 --micro-batches 8 --steps 5 \
   --warmup 2 --transformer-impl local
 step bench-packing "$py" tools/bench_actor.py --hf $qwen --long-cot 64 --min-len 128 --max-len 2048 \
   --micro-batch 2 --steps 3 --warmup 1 --transformer-impl local

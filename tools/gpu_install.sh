@@ -30,7 +30,7 @@ te)
   cat $(ls $chunks/*.part* | sort -V) >"$wheel"
   (cd $chunks && sha256sum -c SHA256SUMS)
   pip_install "$wheel"
-  built=$(ls .whl/transformer_engine_torch-*-built-*.tgz 2>/dev/null | head -1)
+  built=$(compgen -G ".whl/transformer_engine_torch-*-built-*.tgz" | head -1 || true)
   if [[ -n "$built" ]]; then  # a build from an earlier machine (same torch): no need to compile again
     tar xzf "$built" -C "$("$py" -c 'import site; print(site.getsitepackages()[0])')"
     echo 0 >/tmp/te-build.rc && echo "transformer_engine_torch: $built unpacked" | tee /tmp/te-build.log

@@ -178,6 +178,17 @@ def _sequence_parallel_local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -
     )
 
 
+def _local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -> Any:
+    """The local spec's block with a local final norm. Given a layer spec alone, Megatron builds the block's
+    final norm from Transformer Engine whenever TE imports (its LayerNormImpl), local spec or not: a CPU-mode
+    run on a machine with TE installed then failed in that norm (seen on an H100 machine)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layers_per_chunk = spec.num_layers // (ctx.pp_size * ctx.vpp_size)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers_per_chunk, layer_norm=LNImpl)
+
+
 def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) -> list[Any]:
     """The model chunks this rank holds: one per virtual pipeline stage (one without VPP)."""
     from megatron.core.models.gpt import GPTModel
@@ -192,6 +203,8 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
         if config.sequence_parallel:
             layer_spec = _sequence_parallel_local_block(spec, layer_spec, ctx)
+        else:
+            layer_spec = _local_block(spec, layer_spec, ctx)
     chunks = [
         GPTModel(
             config=config,
