@@ -5,6 +5,7 @@ import logging
 import sys
 
 import pytest
+import torch
 
 from dapo_mcore.mcore.provider import resolve_transformer_impl
 from dapo_mcore.utils.errors import ConfigError
@@ -64,3 +65,30 @@ def test_on_the_cpu_asking_for_it_is_refused_and_auto_is_local():
     with pytest.raises(ConfigError, match="needs CUDA"):
         resolve_transformer_impl("transformer_engine", on_cpu=True)
     assert resolve_transformer_impl("auto", on_cpu=True) is False
+
+
+def test_the_local_spec_builds_no_transformer_engine_norm_when_te_imports(monkeypatch):
+    """Megatron takes a block's final norm from its LayerNormImpl, which is TE's norm whenever TE imports, even
+    for the local spec: CPU mode then failed on a machine with TE installed (first H100 run). Stand in for TE's
+    norm with a class that must never be built."""
+    import megatron.core.transformer.transformer_block as block
+
+    from dapo_mcore.config.model_spec import read_model_spec
+    from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
+    from dapo_mcore.parallel import destroy_parallel, init_parallel
+    from tests.helpers import tiny_hf_config
+
+    class TransformerEngineNorm(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the local spec built Transformer Engine's norm")
+
+    monkeypatch.setattr(block, "LayerNormImpl", TransformerEngineNorm)
+    spec = read_model_spec(tiny_hf_config("llama").to_dict())
+    ctx = init_parallel(1, 1, "cpu")
+    try:
+        config = build_transformer_config(spec, tp=1, pp=1, dtype="float32", on_cpu=True, use_te=False)
+        (model,) = build_gpt_chunks(spec, config, ctx=ctx, use_te=False)
+    finally:
+        destroy_parallel()
+    # the block's final norm is the local spec's own, like the layers' norms (LNImpl: apex's or torch's)
+    assert type(model.decoder.final_layernorm) is type(model.decoder.layers[0].input_layernorm)
