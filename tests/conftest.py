@@ -29,15 +29,48 @@ def pytest_sessionstart(session):
         pytest.exit(f"{free_gib:.1f} GiB free in {where}; the test suite needs about {SUITE_FREE_GIB} GiB", 2)
 
 
+# `make test` runs the suite on 2 pytest-xdist workers (--dist loadgroup): most cases wait on one core (CLI runs
+# with OMP_NUM_THREADS=1, Slurm's timer, pip). Tests are handed out one by one, except that each module below
+# runs whole on one worker, because its tests share an expensive module- or session-scoped fixture (a Slurm
+# cluster, a converted model, a reference run, engines, cached layout runs), and those go out first, longest
+# first, so that no long group starts last.
+WHOLE_MODULES = (  # longest first (tests/README.md has the times)
+    "slurm/test_train_jobs.py",
+    "slurm/test_cluster.py",
+    "engines/test_sglang_cpu.py",
+    "dist/test_actor_parallel.py",
+    "e2e/test_checkpoints.py",
+    "e2e/test_smollm2.py",
+    "engines/test_engine_contract.py",
+    "unit/test_step_batches.py",
+    "unit/test_offload.py",
+    "unit/test_plan.py",
+)
+SLURM_GROUP = "slurm"  # the tier shares one cluster (tests/slurm/conftest.py)
+
+
+def xdist_group_of(relative: str) -> str | None:
+    if relative.startswith("slurm/"):
+        return SLURM_GROUP
+    return relative if relative in WHOLE_MODULES else None
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
-        tier = Path(item.fspath).relative_to(REPO / "tests").parts[0]
+        relative = Path(item.fspath).relative_to(REPO / "tests")
+        tier = relative.parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        group = xdist_group_of(relative.as_posix())
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; the controller hands out in this order
+        rank = {path: i for i, path in enumerate(WHOLE_MODULES)}
+        items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(REPO / "tests").as_posix(), len(rank)))
 
 
 def free_port() -> int:

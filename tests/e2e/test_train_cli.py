@@ -1,9 +1,9 @@
 """Whole runs through the command line, as a user starts them (single process and under torchrun)."""
 
 import json
-import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ import yaml
 from dapo_mcore.config import load_config
 from dapo_mcore.config.presets import COMPONENTS_OFF
 from tests.conftest import REPO, free_port
+from tests.warm_cli import cli_env, run_warm
 
 REQUIRED_METRICS = (
     "step",
@@ -43,16 +44,16 @@ SHORT = [
 ]
 
 
-def cli(*args, launcher=(), timeout=600, expect=0):
-    cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-    )
+def cli(*args, launcher=(), timeout=600, expect=0, fresh=False):
+    """`python [launcher] -m dapo_mcore.cli ARGS`; single-process runs fork from a warm server (tests/warm_cli.py)
+    unless `fresh` (the test is about the command's own start and exit)."""
+    env = cli_env()
+    if launcher or fresh:
+        cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    else:
+        with tempfile.TemporaryDirectory(prefix="cli-") as out_dir:
+            proc = run_warm(list(args), REPO, env, timeout, Path(out_dir))
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -63,7 +64,7 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
     run_dir = tmp_path / "run"
-    proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, f"logging.run_dir={run_dir}")
+    proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, f"logging.run_dir={run_dir}", fresh=True)
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:

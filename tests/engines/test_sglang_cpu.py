@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,8 @@ from tests.conftest import REPO
 from tests.engines.test_engine_contract import SGLANG_CPU_ENV
 
 SETUP = REPO / "tests/engines/sglang_cpu/setup_env.sh"
-VENV = REPO / ".venv-sglang-cpu"
+# Outside the clone, so that fresh clones reuse it while its inputs are unchanged (setup_env.sh checks them).
+VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dapo-mcore" / "sglang-cpu"
 # The contract tests SGLang passes on the CPU; the seed test is skipped there (no seeded sampling, docs/engines.md).
 N_CONTRACT_TESTS = 6
 

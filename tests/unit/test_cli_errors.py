@@ -1,18 +1,20 @@
 """Bad input ends with one clear line and exit code 2, not a traceback from deep inside."""
 
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.warm_cli import cli_env, run_warm
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dapo_mcore.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    """The command as a user runs it, forked from the tests' warm server (tests/warm_cli.py)."""
+    with tempfile.TemporaryDirectory(prefix="cli-") as out_dir:
+        return run_warm(list(args), REPO, cli_env(), 300, Path(out_dir))
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,18 @@
 # with --no-deps beside torch==2.13.0+cpu, with its non-CUDA dependencies (requirements.txt) under a
 # constraint that keeps that torch, plus the start-up bridge (dapo_sglang_cpu_bridge.py, loaded by a .pth).
 #
-#   tests/engines/sglang_cpu/setup_env.sh [VENV]     (default: .venv-sglang-cpu at the repository root)
+#   tests/engines/sglang_cpu/setup_env.sh [VENV]     (default: ~/.cache/dapo-mcore/sglang-cpu, outside any clone)
 #
-# Rebuilt only when this script or requirements.txt changed (a stamp holds their hash). About 2 minutes.
+# Rebuilt only when this script, requirements.txt or the bridge changed (a stamp holds their hash): a fresh
+# clone reuses the environment an earlier clone built (about 2 minutes saved). Builds wait for each other (flock).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-repo="$(cd "$here/../../.." && pwd)"
-venv="${1:-$repo/.venv-sglang-cpu}"
+venv="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/dapo-mcore/sglang-cpu}"
 stamp="$venv/.dapo-sglang-cpu"
 want="$(cat "$here/setup_env.sh" "$here/requirements.txt" "$here/dapo_sglang_cpu_bridge.py" | sha256sum | cut -d' ' -f1)"
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
