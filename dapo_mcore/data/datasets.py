@@ -89,7 +89,48 @@ class PromptStream:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = self._permutation(self.epoch)
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, epoch: int) -> Sequence[int]:
+        seed = f"{self.seed}/{epoch}"
+        if len(self.source) > SHUFFLED_LIST_MAX:
+            return FeistelPermutation(len(self.source), seed)
         order = list(range(len(self.source)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        random.Random(seed).shuffle(order)
         return order
+
+
+# Sources up to this size are shuffled as a list (every data file and the demo's grid, whose orders stay as they
+# were); larger ones (an arithmetic grid of 4-digit operands has 16M problems: its list took 16 s and 0.6 GB,
+# one of 5-digit operands could not be built at all) get a permutation computed per index.
+SHUFFLED_LIST_MAX = 1 << 20
+_MASK64 = (1 << 64) - 1
+
+
+class FeistelPermutation(Sequence[int]):
+    """A seeded permutation of range(n) in O(1) memory: a 4-round Feistel network over the smallest power of
+    two with an even bit count >= n is a bijection of that range; indices that land past n are mapped again
+    (cycle walking: the range is at most 4n, so a few rounds on average) until they fall inside."""
+
+    def __init__(self, n: int, seed: str):
+        bits = max(2, (n - 1).bit_length())
+        self.n, self.half = n, (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        rng = random.Random(seed)
+        self.keys = [rng.getrandbits(64) for _ in range(4)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:  # type: ignore[override]
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        value = self._encrypt(index)
+        while value >= self.n:
+            value = self._encrypt(value)
+        return value
+
+    def _encrypt(self, value: int) -> int:
+        left, right = value >> self.half, value & self.mask
+        for key in self.keys:
+            mixed = ((right ^ key) * 0x9E3779B97F4A7C15) & _MASK64
+            left, right = right, left ^ ((mixed ^ (mixed >> 29)) & self.mask)
+        return (left << self.half) | right

@@ -5,7 +5,7 @@ import torch
 
 from dapo_mcore.data.arithmetic import ArithmeticTask
 from dapo_mcore.data.batching import build_micro_batch, padded_length, split_for_data_parallel
-from dapo_mcore.data.datasets import PromptStream, load_jsonl_prompts
+from dapo_mcore.data.datasets import FeistelPermutation, PromptStream, load_jsonl_prompts
 from dapo_mcore.data.types import Sample
 from dapo_mcore.utils.errors import DataError
 
@@ -31,6 +31,25 @@ def test_prompt_stream_is_deterministic_and_resumes_from_its_state():
     resumed.load_state_dict(state)
     assert [p.uid for p in resumed.take(10)] == [p.uid for p in tail]
     assert sorted(p.uid for p in head[:25]) == sorted(p.uid for p in task)  # each epoch: every prompt once
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 100, 1000, 4097])
+def test_the_feistel_permutation_is_a_seeded_bijection(n):
+    order = [FeistelPermutation(n, "7/0")[i] for i in range(n)]
+    assert sorted(order) == list(range(n))
+    assert order == [FeistelPermutation(n, "7/0")[i] for i in range(n)]
+    if n >= 100:  # another epoch's seed gives another order, and neither is the identity
+        assert order != [FeistelPermutation(n, "7/1")[i] for i in range(n)] and order != list(range(n))
+
+
+def test_a_grid_too_large_to_shuffle_as_a_list_streams_distinct_prompts_and_resumes():
+    task = ArithmeticTask(10_000, 99_999)  # 8.1e9 problems: a shuffled list of them cannot be built
+    stream = PromptStream(task, seed=1)
+    head = [p.uid for p in stream.take(200)]
+    assert len(set(head)) == 200
+    resumed = PromptStream(task, seed=1)
+    resumed.load_state_dict({"epoch": 0, "offset": 100})
+    assert [p.uid for p in resumed.take(100)] == head[100:]
 
 
 def test_jsonl_prompts_load_and_bad_rows_name_the_line(tmp_path):
