@@ -29,48 +29,62 @@ def pytest_sessionstart(session):
         pytest.exit(f"{free_gib:.1f} GiB free in {where}; the test suite needs about {SUITE_FREE_GIB} GiB", 2)
 
 
-# `make test` runs the suite on 2 pytest-xdist workers (--dist loadgroup): most cases wait on one core (CLI runs
-# with OMP_NUM_THREADS=1, Slurm's timer, pip). Tests are handed out one by one, except that each module below
-# runs whole on one worker, because its tests share an expensive module- or session-scoped fixture (a Slurm
-# cluster, a converted model, a reference run, engines, cached layout runs), and those go out first, longest
-# first, so that no long group starts last.
+# `make test` runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): most cases wait on one core (CLI
+# runs with OMP_NUM_THREADS=1, Slurm's timer, pip). Tests are handed out one by one, except that each module
+# below runs whole on one worker, because its tests share an expensive module- or session-scoped fixture (a
+# Slurm cluster, a converted model, a reference run, engines, cached layout runs), and these go out first,
+# longest first, so that no long group starts last. The grouping is done by the scheduler below rather than
+# with xdist_group markers, which pytest-xdist 3.8 cannot apply under pytest 9.2 (it renames a node id field
+# pytest no longer reads).
 WHOLE_MODULES = (  # longest first (tests/README.md has the times)
-    "slurm/test_train_jobs.py",
-    "slurm/test_cluster.py",
-    "engines/test_sglang_cpu.py",
-    "dist/test_actor_parallel.py",
-    "e2e/test_checkpoints.py",
-    "e2e/test_smollm2.py",
-    "engines/test_engine_contract.py",
-    "unit/test_step_batches.py",
-    "unit/test_offload.py",
-    "unit/test_plan.py",
+    "tests/slurm/test_train_jobs.py",
+    "tests/engines/test_sglang_cpu.py",
+    "tests/dist/test_actor_parallel.py",
+    "tests/e2e/test_smollm2.py",
+    "tests/e2e/test_checkpoints.py",
+    "tests/engines/test_engine_contract.py",
+    "tests/slurm/test_cluster.py",
+    "tests/unit/test_step_batches.py",
+    "tests/unit/test_offload.py",
+    "tests/unit/test_plan.py",
 )
-SLURM_GROUP = "slurm"  # the tier shares one cluster (tests/slurm/conftest.py)
+SLURM_GROUP = "tests/slurm/"  # the tier shares one cluster (tests/slurm/conftest.py)
 
 
-def xdist_group_of(relative: str) -> str | None:
-    if relative.startswith("slurm/"):
+def work_unit_of(nodeid: str) -> str:
+    """What goes to one worker: the module for WHOLE_MODULES, the Slurm tier together, else the test alone."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith(SLURM_GROUP):
         return SLURM_GROUP
-    return relative if relative in WHOLE_MODULES else None
+    return module if module in WHOLE_MODULES else nodeid
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeModulesFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection order set below (not by test count)
+    return WholeModulesFirst(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
-        relative = Path(item.fspath).relative_to(REPO / "tests")
-        tier = relative.parts[0]
+        tier = Path(item.fspath).relative_to(REPO / "tests").parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-        group = xdist_group_of(relative.as_posix())
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; the controller hands out in this order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; the scheduler hands out in this order
         rank = {path: i for i, path in enumerate(WHOLE_MODULES)}
-        items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(REPO / "tests").as_posix(), len(rank)))
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 def free_port() -> int:

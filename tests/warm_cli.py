@@ -1,4 +1,5 @@
-"""Warm CLI runs for the tests: `python -m dapo_mcore.cli ARGS` without paying the imports every time.
+"""Warm CLI runs for the tests: `python -m dapo_mcore.cli ARGS` (or a tool script) without paying the imports
+every time.
 
 A short training run of the CLI spends about 7 of its 10 s importing torch, Megatron-Core and transformers
 (tests/README.md). A server process (`python -m tests.warm_cli`) imports them once and then forks one fresh
@@ -57,9 +58,15 @@ def become_the_run(request: dict) -> None:
         target = os.open(path, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = ["dapo_mcore.cli", *request["argv"]]
-    runpy.run_module("dapo_mcore.cli", run_name="__main__", alter_sys=True)
-    sys.exit(0)  # the module ran to its end without sys.exit (it always calls it): exit as python -m would
+    script = request.get("script")
+    if script:  # python SCRIPT ARGS: the script's folder first on sys.path, as python puts it
+        sys.argv = [script, *request["argv"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    else:
+        sys.argv = ["dapo_mcore.cli", *request["argv"]]
+        runpy.run_module("dapo_mcore.cli", run_name="__main__", alter_sys=True)
+    sys.exit(0)  # it ran to its end without calling sys.exit: exit 0, as python would
 
 
 def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
@@ -87,19 +94,20 @@ class WarmCli:
         if self.server.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the warm CLI server did not start (exit code {self.server.wait()})")
 
-    def run(self, argv: list[str], cwd: Path, timeout: float, out_dir: Path, env: dict[str, str]):
+    def run(self, argv: list[str], cwd: Path, timeout: float, out_dir: Path, env: dict[str, str], script=None):
         out_dir.mkdir(parents=True, exist_ok=True)
         stdout, stderr = out_dir / "stdout", out_dir / "stderr"
         for path in (stdout, stderr):
             path.unlink(missing_ok=True)
         request = dict(argv=argv, cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr), timeout=timeout)
+        request["script"] = str(script) if script else None
         self.server.stdin.write(json.dumps(request) + "\n")
         self.server.stdin.flush()
         reply = self.server.stdout.readline()
         if not reply:
             raise RuntimeError(f"the warm CLI server ended (exit code {self.server.wait()})")
         reply = json.loads(reply)
-        cmd = [sys.executable, "-m", "dapo_mcore.cli", *argv]
+        cmd = [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *argv]
         out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
         if reply["timed_out"]:
             raise subprocess.TimeoutExpired(cmd, timeout, out, err)
@@ -122,15 +130,16 @@ def cli_env() -> dict[str, str]:
 PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST",)
 
 
-def run_warm(argv: list[str], cwd: Path, env: dict[str, str], timeout: float, out_dir: Path):
-    """The CLI with `argv` in a process forked from a warm server for `env` (started, or replaced, on demand)."""
+def run_warm(argv: list[str], cwd: Path, env: dict[str, str], timeout: float, out_dir: Path, script=None):
+    """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) in a process forked from a warm server for
+    `env` (started, or replaced, on demand)."""
     global _server
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     if _server is None or _server.env != server_env or _server.server.poll() is not None:
         if _server is not None:
             _server.close()
         _server = WarmCli(server_env, cwd)
-    return _server.run(argv, cwd, timeout, out_dir, env)
+    return _server.run(argv, cwd, timeout, out_dir, env, script)
 
 
 if __name__ == "__main__":

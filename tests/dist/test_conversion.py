@@ -1,14 +1,14 @@
 """The conversion tools as a user runs them: HF -> mcore -> HF bit for bit, and check_conversion at TP=1 and 2."""
 
-import os
-import subprocess
-import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import REPO
 from tests.helpers import save_tiny_model
+from tests.warm_cli import cli_env, run_warm
 
 # (family, tied embeddings, dtype of the HF checkpoint)
 FAMILIES = [
@@ -20,14 +20,9 @@ FAMILIES = [
 
 
 def tool(name, *args, expect=0):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / name), *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-    )
+    """`python tools/NAME ARGS`, forked from the tests' warm server (tests/warm_cli.py)."""
+    with tempfile.TemporaryDirectory(prefix="tool-") as out_dir:
+        proc = run_warm(list(map(str, args)), REPO, cli_env(), 600, Path(out_dir), script=REPO / "tools" / name)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
