@@ -59,7 +59,7 @@ def work_unit_of(nodeid: str) -> str:
     return module if module in WHOLE_MODULES else nodeid
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: SGLang's test venv has no pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None

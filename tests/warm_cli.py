@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import time
@@ -30,8 +31,11 @@ PRELOAD = ("torch", "megatron.core", "transformers", "dapo_mcore.trainer")
 
 # ---- the server (python -m tests.warm_cli) ------------------------------------------------------------------
 def serve() -> None:
+    import ctypes
     import importlib
 
+    # Ends with the test process that started it, however that ends (PR_SET_PDEATHSIG; not inherited by the runs).
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     for name in PRELOAD:
         importlib.import_module(name)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
@@ -77,7 +81,7 @@ def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
         if done:
             return os.waitstatus_to_exitcode(status), False
         if time.monotonic() > deadline:
-            os.killpg(pid, 9)
+            os.killpg(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
             return os.waitstatus_to_exitcode(status), True
         time.sleep(0.02)
