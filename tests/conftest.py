@@ -94,7 +94,11 @@ def free_port() -> int:
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
-    """Run `script` under torchrun with nproc gloo processes; fail the test with its output if it fails."""
+    """Run `script` under torchrun with nproc gloo processes; fail the test with its output if it fails.
+    One process runs the script directly, forked from the warm server (tests/warm_cli.py): it makes its own
+    one-process world, as under torchrun."""
+    if nproc == 1:
+        return _run_one_process(script, args, timeout, env)
     cmd = [
         sys.executable,
         "-m",
@@ -117,6 +121,20 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
             f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )
+    return proc
+
+
+def _run_one_process(script: Path, args, timeout: int, env: dict | None):
+    import tempfile
+
+    from tests.warm_cli import cli_env, run_warm
+
+    full_env = {**cli_env(), "PYTHONPATH": str(REPO), **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="worker-") as out_dir:
+        proc = run_warm([str(a) for a in args], REPO, full_env, timeout, Path(out_dir), script=script)
+    if proc.returncode != 0:
+        pytest.fail(f"{script.name} {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                    f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")  # fmt: skip
     return proc
 
 

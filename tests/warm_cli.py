@@ -122,7 +122,7 @@ class WarmCli:
         self.server.wait(timeout=30)
 
 
-_server: WarmCli | None = None
+_servers: dict[tuple, WarmCli] = {}  # one per environment (few: the CLI's and the torchrun workers')
 
 
 def cli_env() -> dict[str, str]:
@@ -130,20 +130,20 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-# Set by pytest for each test phase; the child gets the caller's value, and no import reads it.
-PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# Set per call (by pytest for each test phase, or a one-process world's rendezvous); the child gets the caller's
+# values, and no import reads them.
+PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_PORT")
 
 
 def run_warm(argv: list[str], cwd: Path, env: dict[str, str], timeout: float, out_dir: Path, script=None):
     """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) in a process forked from a warm server for
-    `env` (started, or replaced, on demand)."""
-    global _server
+    `env` (started on first use, again if it died)."""
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
-    if _server is None or _server.env != server_env or _server.server.poll() is not None:
-        if _server is not None:
-            _server.close()
-        _server = WarmCli(server_env, cwd)
-    return _server.run(argv, cwd, timeout, out_dir, env, script)
+    key = tuple(sorted(server_env.items()))
+    server = _servers.get(key)
+    if server is None or server.server.poll() is not None:
+        server = _servers[key] = WarmCli(server_env, cwd)
+    return server.run(argv, cwd, timeout, out_dir, env, script)
 
 
 if __name__ == "__main__":
