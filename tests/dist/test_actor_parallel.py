@@ -5,6 +5,7 @@ Tolerances (fp32 on the CPU): gradients to 1e-6 absolute (observed: at most 3e-8
 log-probs to 1e-5 (observed 5e-7), losses to 1e-6 relative, weights after an optimizer step to 1e-6.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -26,16 +27,29 @@ class Layouts:
         self.hf_dir, self.out, self._cache = hf_dir, out, {}
 
     def run(self, nproc=1, **options) -> dict:
-        key = (nproc, tuple(sorted(options.items())))
-        if key not in self._cache:
+        self.prefetch([(nproc, options)])
+        return self._cache[(nproc, tuple(sorted(options.items())))]
+
+    def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
+        """Run the layouts in `wanted` not cached yet: one torchrun launch per process count, the worker
+        building them one after another (the start-up of its processes is paid once, not per layout)."""
+        batches: dict[int, list[tuple[tuple, list[str], Path]]] = {}
+        for nproc, options in wanted:
+            key = (nproc, tuple(sorted(options.items())))
+            if key in self._cache or any(key == queued for queued, _, _ in batches.get(nproc, [])):
+                continue
             args = []
             for name, value in sorted(options.items()):
                 flag = "--" + name.replace("_", "-")
                 args += [flag] if value is True else [flag, str(value)]
-            out = self.out / f"run{len(self._cache)}.pt"
-            run_torchrun(WORKER, nproc, str(self.hf_dir), str(out), *args)
-            self._cache[key] = torch.load(out)
-        return self._cache[key]
+            out = self.out / f"run{len(self._cache) + sum(map(len, batches.values()))}.pt"
+            batches.setdefault(nproc, []).append((key, [str(self.hf_dir), str(out), *args], out))
+        for nproc, runs in batches.items():
+            batch = self.out / f"batch{len(self._cache)}.json"
+            batch.write_text(json.dumps([argv for _, argv, _ in runs]))
+            run_torchrun(WORKER, nproc, "--batch", str(batch))
+            for key, _, out in runs:
+                self._cache[key] = torch.load(out)
 
 
 def assert_same(result, reference, run="token-mean/4/0", reference_run="token-mean/4/0"):
@@ -48,15 +62,46 @@ def assert_same(result, reference, run="token-mean/4/0", reference_run="token-me
         torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=0, atol=LOGPROB_ATOL)
 
 
+SINGLE = {"micro_batch_sizes": "4,8,16", "loss_agg_modes": ALL_MODES, "max_tokens": "0,48,100"}
+LAYOUTS = [(2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (2, {}), (2, {"tp": 2, "sp": True})]
+PACKED_BUDGET = 64  # the longest varied sample is exactly this long: it fills a packed row alone
+PACKED = {"packing": "off,mask", "varied_samples": True, "max_tokens": f"0,{PACKED_BUDGET}"}
+PACKED_LAYOUTS = [(1, {}), (2, {"tp": 2}), (2, {"pp": 2}), (4, {"tp": 2, "pp": 2}), (2, {})]
+PACKED_OPTIONS = [(2, {"tp": 2, "sp": True, "recompute": "full"}), (2, {"pp": 2, "naive_logprobs": True})]
+HEAD_LOSS_GRAD = {"loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}
+PACKED_HEAD_LOSS_GRAD = {"tp": 2, "packing": "mask", "varied_samples": True, "max_tokens": PACKED_BUDGET,
+                         **HEAD_LOSS_GRAD}  # fmt: skip
+# Every run the tests below ask `llama` for, made in one launch per process count when the module starts (a run
+# missing here is still made, in a launch of its own, when a test asks for it).
+LLAMA_RUNS = [
+    (1, SINGLE),
+    *LAYOUTS,
+    (2, {"loss_agg_modes": ALL_MODES, "max_tokens": "0,48"}),
+    *[(n, {**layout, "recompute": r}) for r in ("selective", "full") for n, layout in ((1, {}), (2, {"pp": 2}))],
+    (1, {"optimizer_step": True}),
+    (2, {"optimizer_step": True, "dist_opt": True}),
+    (2, {"tp": 2, "optimizer_step": True, "dist_opt": True}),
+    *[(n, {"tp": n, **extra}) for n in (1, 2) for extra in ({}, {"naive_logprobs": True})],
+    *[(n, {"tp": n, **HEAD_LOSS_GRAD, **extra}) for n in (1, 2) for extra in ({}, {"recompute_logits": True})],
+    (1, {}),
+    *[(n, {**PACKED, "loss_agg_modes": ALL_MODES, **layout}) for n, layout in PACKED_LAYOUTS],
+    *[(n, {**PACKED, **options}) for n, options in PACKED_OPTIONS],
+    (2, PACKED_HEAD_LOSS_GRAD),
+    (2, {**PACKED_HEAD_LOSS_GRAD, "recompute_logits": True}),
+]
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Layouts:
     out = tmp_path_factory.mktemp("layouts")
-    return Layouts(save_tiny_model(out / "hf", "llama", layers=2), out)
+    layouts = Layouts(save_tiny_model(out / "hf", "llama", layers=2), out)
+    layouts.prefetch(LLAMA_RUNS)
+    return layouts
 
 
 @pytest.fixture(scope="module")
 def single(llama) -> dict:
-    return llama.run(micro_batch_sizes="4,8,16", loss_agg_modes=ALL_MODES, max_tokens="0,48,100")
+    return llama.run(**SINGLE)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -71,17 +116,7 @@ def test_gradient_is_the_same_for_any_token_budget(single, mode):
         assert_same(single, single, run=f"{mode}/4/{budget}", reference_run=f"{mode}/4/0")
 
 
-@pytest.mark.parametrize(
-    "nproc, options",
-    [
-        (2, {"tp": 2}),
-        (2, {"pp": 2}),
-        (4, {"tp": 2, "pp": 2}),
-        (2, {}),
-        (2, {"tp": 2, "sp": True}),
-    ],
-    ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2+sp"],
-)
+@pytest.mark.parametrize("nproc, options", LAYOUTS, ids=["tp2", "pp2", "tp2xpp2", "dp2", "tp2+sp"])
 def test_layout_matches_the_single_process_run(llama, single, nproc, options):
     assert_same(llama.run(nproc, **options), single)
 
@@ -95,6 +130,7 @@ def test_every_loss_aggregation_is_the_same_at_dp2_with_token_budgets(llama, sin
 
 def test_virtual_pipeline_stages_match_the_single_process_run(tmp_path):
     layouts = Layouts(save_tiny_model(tmp_path / "hf", "llama", layers=4), tmp_path)
+    layouts.prefetch([(2, {"pp": 2, "vpp": 2}), (2, {"pp": 2, "vpp": 2, "packing": "mask"})])
     reference = layouts.run()
     assert_same(layouts.run(2, pp=2, vpp=2), reference)
     assert_same(layouts.run(4, tp=2, pp=2, vpp=2, max_tokens=48), reference, run="token-mean/4/48")
@@ -131,7 +167,7 @@ def test_loss_gradient_taken_in_the_head_forward_equals_the_logits_recompute_pat
     """The default head takes the DAPO loss's per-token gradient inside its forward chunk loop; the other
     recomputes each chunk's logits in backward. Same losses and parameter gradients, with and without
     the entropy bonus, for a token-level and a sequence-level aggregation."""
-    options = {"tp": tp, "loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}
+    options = {"tp": tp, **HEAD_LOSS_GRAD}
     in_forward, recompute = llama.run(nproc, **options), llama.run(nproc, recompute_logits=True, **options)
     assert len(in_forward["runs"]) == 4
     for run in in_forward["runs"]:
@@ -172,26 +208,12 @@ def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):
     assert_same(layouts.run(4, tp=2, pp=2), reference)
 
 
-PACKED_BUDGET = 64  # the longest varied sample is exactly this long: it fills a packed row alone
-
-
-@pytest.mark.parametrize(
-    "nproc, options",
-    [
-        (1, {}),
-        (2, {"tp": 2}),
-        (2, {"pp": 2}),
-        (4, {"tp": 2, "pp": 2}),
-        (2, {}),
-    ],
-    ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"],
-)
+@pytest.mark.parametrize("nproc, options", PACKED_LAYOUTS, ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"])
 def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(llama, nproc, options):
     """Samples of 3 to 64 tokens (one with a single response token) packed under a block-diagonal causal mask,
-    in rows of the longest sample (4 per micro-batch) or of the token budget, against one padded length."""
-    result = llama.run(
-        nproc, packing="off,mask", varied_samples=True, loss_agg_modes=ALL_MODES, max_tokens=f"0,{PACKED_BUDGET}"
-    )
+    in rows of the longest sample (4 per micro-batch) or of the token budget, against one padded length, at
+    each layout (the layout's options were not passed before issue 21: every case ran plain DP)."""
+    result = llama.run(nproc, **PACKED, loss_agg_modes=ALL_MODES, **options)
     for got, want in zip(result["logprobs_mask"], result["logprobs"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=GRAD_ATOL)
     for mode in LOSS_AGG_MODES:
@@ -199,15 +221,11 @@ def test_packed_rows_give_the_padded_log_probs_loss_and_gradients(llama, nproc, 
             assert_same(result, result, run=f"{mode}/4/{budget}/mask", reference_run=f"{mode}/4/0")
 
 
-@pytest.mark.parametrize(
-    "nproc, options",
-    [(2, {"tp": 2, "sp": True, "recompute": "full"}), (2, {"pp": 2, "naive_logprobs": True})],
-    ids=["tp2+sp+full-recompute", "pp2+full-logits-head"],
-)
+@pytest.mark.parametrize("nproc, options", PACKED_OPTIONS, ids=["tp2+sp+full-recompute", "pp2+full-logits-head"])
 def test_packed_rows_with_sequence_parallel_recompute_and_the_full_logits_head(llama, nproc, options):
     """Packing is on by default with the local spec, so also with these options: same log-probs, loss and
     gradients as padded rows."""
-    result = llama.run(nproc, packing="off,mask", varied_samples=True, max_tokens=f"0,{PACKED_BUDGET}", **options)
+    result = llama.run(nproc, **PACKED, **options)
     for got, want in zip(result["logprobs_mask"], result["logprobs"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=GRAD_ATOL)
     for budget in (0, PACKED_BUDGET):
@@ -218,9 +236,8 @@ def test_packed_rows_take_the_loss_gradient_in_the_head_forward_as_the_recompute
     """Packed rows hold several samples; the head's per-token loss constants are laid out per sample and
     mapped to the tokens' places in the rows. Same losses and gradients as recomputing the logits, with and
     without the entropy bonus, at TP=2."""
-    options = {"tp": 2, "packing": "mask", "varied_samples": True, "max_tokens": PACKED_BUDGET,
-               "loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}  # fmt: skip
-    in_forward, recompute = llama.run(2, **options), llama.run(2, recompute_logits=True, **options)
+    in_forward = llama.run(2, **PACKED_HEAD_LOSS_GRAD)
+    recompute = llama.run(2, recompute_logits=True, **PACKED_HEAD_LOSS_GRAD)
     assert len(in_forward["runs"]) == 4
     for run in in_forward["runs"]:
         assert_same(in_forward, recompute, run=run, reference_run=run)

@@ -5,6 +5,10 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
              [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
              [--packing off,mask --varied-samples]
+    torchrun --nproc_per_node N actor_grads.py --batch RUNS.json    # a JSON list of the argument lists above
+
+A batch builds its layouts one after another in the same processes (Megatron's groups made anew for each,
+torch.distributed's kept): the interpreter and import start-up is paid once per launch.
 
 Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as loaded,
          "logprobs_<packing>": the same per packing mode (with --packing),
@@ -17,6 +21,9 @@ import argparse
 import copy
 import dataclasses
 import itertools
+import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -124,7 +131,7 @@ def _to_cpu(obj):
     return obj
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("hf_dir")
     ap.add_argument("out")
@@ -153,7 +160,10 @@ def main():
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--packing", default="off", help="packing modes to run (off, mask, thd)")
     ap.add_argument("--varied-samples", action="store_true", help="lengths up to the largest token budget")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> None:
     sizes = [int(x) for x in args.micro_batch_sizes.split(",")]
     ctx, actor, exporter = build(args, sizes[0])
     budgets, packings = [int(x) for x in args.max_tokens.split(",")], args.packing.split(",")
@@ -191,6 +201,17 @@ def main():
         result["stepped"] = {name: t.clone() for name, t in exporter.hf_weights()}
     if ctx.rank == 0:
         torch.save(_to_cpu(result), args.out)
+
+
+def main():
+    from megatron.core import parallel_state as mpu
+
+    if sys.argv[1:2] == ["--batch"]:
+        for argv in json.loads(Path(sys.argv[2]).read_text()):
+            run(parser().parse_args(argv))
+            mpu.destroy_model_parallel()  # the next layout makes its own groups
+    else:
+        run(parser().parse_args())
     destroy_parallel()
 
 
