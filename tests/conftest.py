@@ -125,13 +125,10 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
 
 
 def _run_one_process(script: Path, args, timeout: int, env: dict | None):
-    import tempfile
-
     from tests.warm_cli import cli_env, run_warm
 
     full_env = {**cli_env(), "PYTHONPATH": str(REPO), **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="worker-") as out_dir:
-        proc = run_warm([str(a) for a in args], REPO, full_env, timeout, Path(out_dir), script=script)
+    proc = run_warm(args, full_env, timeout, script=script)
     if proc.returncode != 0:
         pytest.fail(f"{script.name} {' '.join(map(str, args))} failed ({proc.returncode}):\n"
                     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")  # fmt: skip

@@ -22,9 +22,11 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 # What every training run imports before its first step; the rest (engines, wandb) is imported by the child.
 PRELOAD = ("torch", "megatron.core", "transformers", "dapo_mcore.trainer")
 
@@ -135,15 +137,16 @@ def cli_env() -> dict[str, str]:
 PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_PORT")
 
 
-def run_warm(argv: list[str], cwd: Path, env: dict[str, str], timeout: float, out_dir: Path, script=None):
+def run_warm(argv: list[str], env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
     """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) in a process forked from a warm server for
-    `env` (started on first use, again if it died)."""
+    `env` (started on first use, again if it died); returns what subprocess.run(capture_output=True) would."""
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     key = tuple(sorted(server_env.items()))
     server = _servers.get(key)
     if server is None or server.server.poll() is not None:
         server = _servers[key] = WarmCli(server_env, cwd)
-    return server.run(argv, cwd, timeout, out_dir, env, script)
+    with tempfile.TemporaryDirectory(prefix="warm-run-") as out_dir:
+        return server.run([str(a) for a in argv], cwd, timeout, Path(out_dir), env, script)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,5 @@
 """The conversion tools as a user runs them: HF -> mcore -> HF bit for bit, and check_conversion at TP=1 and 2."""
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,8 +18,7 @@ FAMILIES = [
 
 def tool(name, *args, expect=0):
     """`python tools/NAME ARGS`, forked from the tests' warm server (tests/warm_cli.py)."""
-    with tempfile.TemporaryDirectory(prefix="tool-") as out_dir:
-        proc = run_warm(list(map(str, args)), REPO, cli_env(), 600, Path(out_dir), script=REPO / "tools" / name)
+    proc = run_warm(args, cli_env(), 600, script=REPO / "tools" / name)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

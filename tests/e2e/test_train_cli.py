@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,8 +51,7 @@ def cli(*args, launcher=(), timeout=600, expect=0, fresh=False):
         cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     else:
-        with tempfile.TemporaryDirectory(prefix="cli-") as out_dir:
-            proc = run_warm(list(args), REPO, env, timeout, Path(out_dir))
+        proc = run_warm(list(args), env, timeout)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

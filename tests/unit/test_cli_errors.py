@@ -1,20 +1,15 @@
 """Bad input ends with one clear line and exit code 2, not a traceback from deep inside."""
 
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from tests.warm_cli import cli_env, run_warm
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """The command as a user runs it, forked from the tests' warm server (tests/warm_cli.py)."""
-    with tempfile.TemporaryDirectory(prefix="cli-") as out_dir:
-        return run_warm(list(args), REPO, cli_env(), 300, Path(out_dir))
+    return run_warm(list(args), cli_env(), 300)
 
 
 @pytest.mark.parametrize(
