@@ -94,17 +94,13 @@ class WarmCli:
     """One server for one environment; `run` is subprocess.run(capture_output=True, text=True) for the CLI."""
 
     def __init__(self, env: dict[str, str], cwd: Path):
-        self.env = dict(env)
-        self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_cli"], cwd=cwd, env=self.env,
+        self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_cli"], cwd=cwd, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         if self.server.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the warm CLI server did not start (exit code {self.server.wait()})")
 
     def run(self, argv: list[str], cwd: Path, timeout: float, out_dir: Path, env: dict[str, str], script=None):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stdout, stderr = out_dir / "stdout", out_dir / "stderr"
-        for path in (stdout, stderr):
-            path.unlink(missing_ok=True)
+        stdout, stderr = out_dir / "stdout", out_dir / "stderr"  # out_dir: a fresh folder per run
         request = dict(argv=argv, cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr), timeout=timeout)
         request["script"] = str(script) if script else None
         self.server.stdin.write(json.dumps(request) + "\n")
@@ -118,10 +114,6 @@ class WarmCli:
         if reply["timed_out"]:
             raise subprocess.TimeoutExpired(cmd, timeout, out, err)
         return subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
-
-    def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(timeout=30)
 
 
 _servers: dict[tuple, WarmCli] = {}  # one per environment (few: the CLI's and the torchrun workers')
