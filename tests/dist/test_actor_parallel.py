@@ -25,31 +25,38 @@ class Layouts:
 
     def __init__(self, hf_dir: Path, out: Path):
         self.hf_dir, self.out, self._cache = hf_dir, out, {}
+        out.mkdir(parents=True, exist_ok=True)
 
     def run(self, nproc=1, **options) -> dict:
-        self.prefetch([(nproc, options)])
-        return self._cache[(nproc, tuple(sorted(options.items())))]
+        prefetch([(self, nproc, options)])
+        return self._cache[_key(nproc, options)]
 
-    def prefetch(self, wanted: list[tuple[int, dict]]) -> None:
-        """Run the layouts in `wanted` not cached yet: one torchrun launch per process count, the worker
-        building them one after another (the start-up of its processes is paid once, not per layout)."""
-        batches: dict[int, list[tuple[tuple, list[str], Path]]] = {}
-        for nproc, options in wanted:
-            key = (nproc, tuple(sorted(options.items())))
-            if key in self._cache or any(key == queued for queued, _, _ in batches.get(nproc, [])):
-                continue
-            args = []
-            for name, value in sorted(options.items()):
-                flag = "--" + name.replace("_", "-")
-                args += [flag] if value is True else [flag, str(value)]
-            out = self.out / f"run{len(self._cache) + sum(map(len, batches.values()))}.pt"
-            batches.setdefault(nproc, []).append((key, [str(self.hf_dir), str(out), *args], out))
-        for nproc, runs in batches.items():
-            batch = self.out / f"batch{len(self._cache)}.json"
-            batch.write_text(json.dumps([argv for _, argv, _ in runs]))
-            run_torchrun(WORKER, nproc, "--batch", str(batch))
-            for key, _, out in runs:
-                self._cache[key] = torch.load(out)
+
+def _key(nproc: int, options: dict) -> tuple:
+    return nproc, tuple(sorted(options.items()))
+
+
+def prefetch(wanted: list[tuple[Layouts, int, dict]]) -> None:
+    """Make the runs in `wanted` not cached yet, for any of the models: one torchrun launch per process count,
+    the worker building them one after another (the start-up of its processes is paid once, not per run)."""
+    batches: dict[int, list[tuple[Layouts, tuple, list[str], Path]]] = {}
+    for layouts, nproc, options in wanted:
+        key = _key(nproc, options)
+        queued = [(m, k) for m, k, _, _ in batches.get(nproc, [])]
+        if key in layouts._cache or (layouts, key) in queued:
+            continue
+        args = []
+        for name, value in sorted(options.items()):
+            flag = "--" + name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        out = layouts.out / f"run{len(layouts._cache)}-{nproc}-{len(batches.get(nproc, []))}.pt"
+        batches.setdefault(nproc, []).append((layouts, key, [str(layouts.hf_dir), str(out), *args], out))
+    for nproc, runs in batches.items():
+        batch = runs[0][0].out / f"batch-{nproc}-{len(runs[0][0]._cache)}.json"
+        batch.write_text(json.dumps([argv for _, _, argv, _ in runs]))
+        run_torchrun(WORKER, nproc, "--batch", str(batch))
+        for layouts, key, _, out in runs:
+            layouts._cache[key] = torch.load(out)
 
 
 def assert_same(result, reference, run="token-mean/4/0", reference_run="token-mean/4/0"):
@@ -91,11 +98,31 @@ LLAMA_RUNS = [
 ]
 
 
+VPP_RUNS = [(1, {}), (2, {"pp": 2, "vpp": 2}), (4, {"tp": 2, "pp": 2, "vpp": 2, "max_tokens": 48}),
+            (2, {"pp": 2, "vpp": 2, "packing": "mask"})]  # fmt: skip
+TIED_RUNS = [(1, {}), (4, {"tp": 2, "pp": 2})]
+
+
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Layouts:
+def vpp_model(tmp_path_factory) -> Layouts:
+    """4 layers: 2 pipeline stages of 2 virtual stages each."""
+    out = tmp_path_factory.mktemp("vpp")
+    return Layouts(save_tiny_model(out / "hf", "llama", layers=4), out)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> Layouts:
+    out = tmp_path_factory.mktemp("tied")
+    return Layouts(save_tiny_model(out / "hf", "qwen3", tie=True, layers=2), out)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, vpp_model, tied_model) -> Layouts:
+    """The main model; its runs and the other models' are made together when the module starts."""
     out = tmp_path_factory.mktemp("layouts")
     layouts = Layouts(save_tiny_model(out / "hf", "llama", layers=2), out)
-    layouts.prefetch(LLAMA_RUNS)
+    wanted = [(layouts, *run) for run in LLAMA_RUNS] + [(vpp_model, *run) for run in VPP_RUNS]
+    prefetch(wanted + [(tied_model, *run) for run in TIED_RUNS])
     return layouts
 
 
@@ -128,13 +155,11 @@ def test_every_loss_aggregation_is_the_same_at_dp2_with_token_budgets(llama, sin
         assert_same(dp2, single, run=f"{mode}/4/{budget}", reference_run=f"{mode}/4/0")
 
 
-def test_virtual_pipeline_stages_match_the_single_process_run(tmp_path):
-    layouts = Layouts(save_tiny_model(tmp_path / "hf", "llama", layers=4), tmp_path)
-    layouts.prefetch([(2, {"pp": 2, "vpp": 2}), (2, {"pp": 2, "vpp": 2, "packing": "mask"})])
-    reference = layouts.run()
-    assert_same(layouts.run(2, pp=2, vpp=2), reference)
-    assert_same(layouts.run(4, tp=2, pp=2, vpp=2, max_tokens=48), reference, run="token-mean/4/48")
-    assert_same(layouts.run(2, pp=2, vpp=2, packing="mask"), reference, run="token-mean/4/0/mask")
+def test_virtual_pipeline_stages_match_the_single_process_run(llama, vpp_model):
+    reference = vpp_model.run()
+    assert_same(vpp_model.run(2, pp=2, vpp=2), reference)
+    assert_same(vpp_model.run(4, tp=2, pp=2, vpp=2, max_tokens=48), reference, run="token-mean/4/48")
+    assert_same(vpp_model.run(2, pp=2, vpp=2, packing="mask"), reference, run="token-mean/4/0/mask")
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -201,11 +226,10 @@ def test_megatron_logprobs_equal_hf_transformers_on_the_same_weights(llama, tmp_
     torch.testing.assert_close(layouts.run()["rope_inv_freq"].float(), hf_inv_freq, rtol=1e-6, atol=0)
 
 
-def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(tmp_path):
-    layouts = Layouts(save_tiny_model(tmp_path / "hf", "qwen3", tie=True, layers=2), tmp_path)
-    reference = layouts.run()
+def test_tied_embeddings_with_qk_norm_at_tp2_x_pp2(llama, tied_model):
+    reference = tied_model.run()
     assert "lm_head.weight" not in reference["runs"]["token-mean/4/0"]["grads"]  # tied: one tensor
-    assert_same(layouts.run(4, tp=2, pp=2), reference)
+    assert_same(tied_model.run(4, tp=2, pp=2), reference)
 
 
 @pytest.mark.parametrize("nproc, options", PACKED_LAYOUTS, ids=["single", "tp2", "pp2", "tp2xpp2", "dp2"])
