@@ -166,11 +166,15 @@ def init_parallel(
     return ctx
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(keep_world: bool = False) -> None:
+    """Tear down Megatron's groups and the process group; keep_world=True keeps the process group (and the
+    store it was made with), so that the same processes can init_parallel again at another layout."""
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    if keep_world:
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
     # A one-process world set RANK, MASTER_PORT, ... here: take them back, or every process started later from

@@ -32,21 +32,37 @@ def all_tensors(hf_dir):
     return tensors
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    """Each family's tiny HF model converted to mcore, and check_conversion at TP=2 run once over all of them
+    (one launch: its two processes' start-up is paid once): {family: (hf_dir, mcore_dir)}, and "tp2": the
+    tool's output."""
+    out = {}
+    for family, tie, dtype in FAMILIES:
+        tmp = tmp_path_factory.mktemp(family)
+        hf = save_tiny_model(tmp / "hf", family, tie=tie, dtype=dtype)  # converted at config.json's dtype
+        tool("convert_hf_to_mcore.py", hf, tmp / "mcore")
+        out[family] = (hf, tmp / "mcore")
+    pairs = [str(path) for family, _, _ in FAMILIES for path in out[family]]
+    out["tp2"] = tool("check_conversion.py", *pairs, "--tp", 2).stdout
+    return out
+
+
 @pytest.mark.parametrize("family, tie, dtype", FAMILIES, ids=[f for f, _, _ in FAMILIES])
-def test_hf_to_mcore_to_hf_is_bit_identical_and_check_conversion_passes_at_tp1_and_tp2(tmp_path, family, tie, dtype):
+def test_hf_to_mcore_to_hf_is_bit_identical_and_check_conversion_passes_at_tp1_and_tp2(converted, family, tie, dtype):
     from transformers import AutoModelForCausalLM
 
-    hf = save_tiny_model(tmp_path / "hf", family, tie=tie, dtype=dtype)  # converted at config.json's dtype
-    tool("convert_hf_to_mcore.py", hf, tmp_path / "mcore")
-    tool("convert_mcore_to_hf.py", tmp_path / "mcore", tmp_path / "back")
-    original, back = all_tensors(hf), all_tensors(tmp_path / "back")
-    assert set(back) == set(original)
+    hf, mcore = converted[family]
+    back = mcore.with_name("back")
+    tool("convert_mcore_to_hf.py", mcore, back)
+    original, returned = all_tensors(hf), all_tensors(back)
+    assert set(returned) == set(original)
     for name, tensor in original.items():
-        assert back[name].dtype == dtype and torch.equal(back[name], tensor), name
-    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "back")).__name__.lower().startswith(family[:5])
-    for tp in (1, 2):
-        out = tool("check_conversion.py", hf, tmp_path / "mcore", "--tp", tp).stdout
-        assert f"PASS at TP={tp}" in out, out
+        assert returned[name].dtype == dtype and torch.equal(returned[name], tensor), name
+    assert type(AutoModelForCausalLM.from_pretrained(back)).__name__.lower().startswith(family[:5])
+    out = tool("check_conversion.py", hf, mcore, "--tp", 1).stdout
+    assert "PASS at TP=1" in out, out
+    assert f"{mcore}: PASS at TP=2" in converted["tp2"], converted["tp2"]
 
 
 def test_check_conversion_fails_on_other_weights_and_names_a_config_mismatch(tmp_path):
@@ -55,3 +71,5 @@ def test_check_conversion_fails_on_other_weights_and_names_a_config_mismatch(tmp
     assert "FAIL at TP=1" in proc.stdout
     proc = tool("check_conversion.py", save_tiny_model(tmp_path / "c", "llama"), tmp_path / "mcore", expect=2)
     assert "qkv_bias: checkpoint True" in proc.stderr and "False" in proc.stderr and "Traceback" not in proc.stderr
+    proc = tool("check_conversion.py", tmp_path / "a", tmp_path / "mcore", tmp_path / "c", expect=2)
+    assert "give HF_DIR CKPT_DIR pairs: 3 folders given" in proc.stderr
