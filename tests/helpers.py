@@ -102,6 +102,63 @@ class FakeTokenizer:
         return self._Encoded([ord(c) for c in text])  # reversible: the scripted engine reads the prompt back
 
 
+class LongTailEngine:
+    """A decode loop in miniature for partial rollout: every answer's length and correctness are drawn when its
+    first token is (the first token holds them: 2 x length + correct), so a continued answer ends as it would
+    have in one go. All answers of a call advance one token per decode step; `answer(prompt_text, seed)` ->
+    (length, correct) for a new answer. Counts decode steps and the answer slots they had."""
+
+    def __init__(self, answer):
+        self.answer, self.decode_steps, self.slot_steps, self.calls = answer, 0, 0, []
+
+    def generate_answers(self, requests, params, on_finished):
+
+        self.calls.append(len(requests))
+        new = [[] for _ in requests]
+        ended = [None] * len(requests)
+        stopped = False
+        while not stopped and None in ended:
+            self.decode_steps += 1
+            self.slot_steps += len(requests)
+            for i, r in enumerate(requests):
+                if ended[i] is not None:
+                    continue
+                tokens = list(r.answer_prefix) + new[i]
+                if not tokens:
+                    length, correct = self.answer("".join(chr(t) for t in r.prompt_ids), r.seed)
+                    new[i].append(2 * length + int(correct))
+                else:
+                    new[i].append(5)
+                length = (list(r.answer_prefix) + new[i])[0] // 2
+                if len(r.answer_prefix) + len(new[i]) >= length or len(new[i]) >= r.max_new_tokens:
+                    reason = "stop" if len(r.answer_prefix) + len(new[i]) >= length else "length"
+                    ended[i] = reason
+                    if not stopped:
+                        stopped = bool(on_finished(i, self._completion(r, new[i], reason)))
+        return [self._completion(r, t, e or "abort") for r, t, e in zip(requests, new, ended)]
+
+    def generate(self, prompt_ids, params):
+        from dapo_mcore.rollout.base import AnswerRequest
+
+        requests = [AnswerRequest(ids, params.max_new_tokens, params.seed + i * params.n + j)
+                    for i, ids in enumerate(prompt_ids) for j in range(params.n)]  # fmt: skip
+        out = self.generate_answers(requests, params, lambda i, c: False)
+        return [out[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
+
+    @staticmethod
+    def _completion(request, tokens, reason):
+        from dapo_mcore.rollout.base import Completion
+
+        text = "".join(chr(i) for i in request.prompt_ids)
+        a, b = (int(x) for x in text.removeprefix("What is ").rstrip("?\n").split("+"))
+        first = (list(request.answer_prefix) + tokens)[:1]
+        answer = a + b if first and first[0] % 2 else a + b + 1
+        return Completion(list(tokens), [-0.5] * len(tokens), reason, f"Answer: {answer}" if reason != "abort" else "")
+
+    def update_weights(self, named_tensors):
+        pass
+
+
 class ScriptedEngine:
     """Answers each prompt n times; `correct(prompt_text, j)` decides whether answer j is right."""
 

@@ -95,6 +95,18 @@ class RolloutConfig:
     # wastes no generation but makes that step partly off-policy by one weight version (logged as
     # rollout/off_policy_frac; algorithm.mismatch.tis corrects against the engine's log-probs).
     carry_surplus: bool = False
+    # Partial rollout (slime's --partial-rollout, APRIL arXiv 2509.18521; AReaL's interruptible generation): a
+    # round stops as soon as the step has its kept groups instead of waiting for its longest answer; the
+    # unfinished answers wait and are continued first at the next step, by the new weights (each token tagged
+    # with the weights that generated it; algorithm.mismatch corrects against the engine's log-probs).
+    # Engines: hf, vllm.
+    partial_rollout: bool = False
+    # With partial rollout, prompts per round = gen_prompts_per_round x this: more answers in flight, so the
+    # round can stop sooner.
+    partial_oversample: float = 1.0
+    # Unfinished groups begun more than this many weight versions ago are dropped (counted in
+    # rollout/stale_dropped_answers): no trained token is older than this.
+    partial_max_staleness: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Weights go to the engines in buckets of about this many MiB (peers use ~512).
     weight_bucket_mb: int = 512

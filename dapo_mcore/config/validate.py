@@ -145,6 +145,8 @@ def _check_rollout(cfg: RunConfig) -> None:
     _require(0 < ro.sampling.top_p <= 1, "rollout.sampling.top_p must be in (0, 1]")
     _require(ro.sampling.max_response_len >= 1, "rollout.sampling.max_response_len must be >= 1")
     _require(ro.engine_tp_size >= 1, "rollout.engine_tp_size must be >= 1")
+    if ro.partial_rollout:
+        _check_partial_rollout(cfg)
     _require(
         ro.engine_tp_size == 1 or ro.engine != "hf",
         "rollout.engine_tp_size > 1 needs rollout.engine=vllm or sglang (the hf engine has no tensor parallelism)",
@@ -153,6 +155,21 @@ def _check_rollout(cfg: RunConfig) -> None:
     _require(ro.cpu_kv_cache_mb >= 1, "rollout.cpu_kv_cache_mb must be >= 1")
     _require(ro.max_num_batched_tokens >= 0, "rollout.max_num_batched_tokens must be >= 0 (0: engine default)")
     _require(ro.max_model_len >= 0, "rollout.max_model_len must be >= 0 (0: the model's limit)")
+
+
+def _check_partial_rollout(cfg: RunConfig) -> None:
+    ro = cfg.rollout
+    _require(
+        ro.engine in ("hf", "vllm"),
+        f"rollout.partial_rollout with rollout.engine={ro.engine}: stopping a round is built for hf and vllm",
+    )
+    _require(ro.partial_oversample >= 1, "rollout.partial_oversample must be >= 1")
+    _require(ro.partial_max_staleness >= 0, "rollout.partial_max_staleness must be >= 0")
+    _require(
+        cfg.algorithm.dynamic_sampling.mode == "resample",
+        "rollout.partial_rollout needs algorithm.dynamic_sampling.mode=resample (a dynamic batch trains on "
+        "whatever one round returns: there is nothing to stop early for)",
+    )
 
 
 def _check_batches(cfg: RunConfig) -> None:

@@ -30,11 +30,16 @@ class Sample:
     response_ids: TokenIds
     # The engine's log-probability of each response token under its sampling distribution.
     rollout_logprobs: Values
-    # "stop" (end-of-sequence or a stop string) or "length" (cut at max_response_len).
+    # "stop" (end-of-sequence or a stop string) or "length" (cut at max_response_len); "abort": not finished
+    # yet (partial rollout: its round was stopped; it waits to be continued).
     finish_reason: str
     response_text: str = ""
-    # The RL step whose weights generated the sample (carried-over groups are older than the current step).
+    # The RL step whose weights generated the sample's first tokens (carried-over groups are older than the
+    # current step).
     policy_step: int = 0
+    # Which weights generated which tokens, as runs [[version, n_tokens], ...] in token order: an answer
+    # continued by later weights (partial rollout) has several. Empty: all by policy_step.
+    version_runs: list[list[int]] = field(default_factory=list)
     # Set by scoring: the verifier's verdict (a check past its timeout counts as wrong), the length penalty
     # and the total reward R_i.
     correct: bool = False
@@ -56,6 +61,16 @@ class Sample:
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != "abort"
+
+    def token_versions(self) -> list[tuple[int, int]]:
+        """(version, n_tokens) runs covering the response, oldest first."""
+        if self.version_runs:
+            return [(version, n) for version, n in self.version_runs]
+        return [(self.policy_step, self.response_len)] if self.response_len else []
 
 
 @dataclass

@@ -28,13 +28,20 @@ from dapo_mcore.data.types import Group, Prompt, Sample, accuracy
 @dataclass(frozen=True)
 class SampleSummary:
     response_len: int
-    truncated: bool
+    finish_reason: str
     correct: bool
     timed_out: bool
     length_penalty: float
     reward: float
     trainable: bool
     policy_step: int
+    version_runs: tuple[tuple[int, int], ...] = ()
+    # Only for the finished answers of an unfinished group (partial rollout), scored once the group is whole.
+    text: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
 
 
 @dataclass(frozen=True)
@@ -51,22 +58,30 @@ class GroupSummary:
         return accuracy(self.samples)
 
     @property
+    def finished(self) -> bool:
+        """Every answer ended (partial rollout leaves some unfinished when it stops a round)."""
+        return all(s.finish_reason != "abort" for s in self.samples)
+
+    @property
     def payload_len(self) -> int:
         """int32 words the group takes in its owner's tensor: tokens (prompt once), then response log-probs."""
         return self.prompt_len + 2 * sum(s.response_len for s in self.samples)
 
 
 def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> GroupSummary:
+    whole = all(s.finished for s in group.samples)
     samples = tuple(
         SampleSummary(
             response_len=len(s.response_ids),
-            truncated=s.truncated,
+            finish_reason=s.finish_reason,
             correct=s.correct,
             timed_out=s.timed_out,
             length_penalty=s.length_penalty,
             reward=s.reward,
             trainable=s.trainable,
             policy_step=s.policy_step,
+            version_runs=tuple((v, n) for v, n in s.version_runs),
+            text="" if whole or not s.finished else s.response_text,
         )
         for s in group.samples
     )
@@ -109,8 +124,10 @@ def _sample(s: SampleSummary, prompt_ids: torch.Tensor, response_ids: torch.Tens
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         rollout_logprobs=logprobs,
-        finish_reason="length" if s.truncated else "stop",  # engines end requests with these two only
+        finish_reason=s.finish_reason,
+        response_text=s.text,
         policy_step=s.policy_step,
+        version_runs=[[v, n] for v, n in s.version_runs],
         correct=s.correct,
         timed_out=s.timed_out,
         length_penalty=s.length_penalty,

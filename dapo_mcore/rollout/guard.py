@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
+from dapo_mcore.rollout.base import AnswerRequest, Completion, OnFinished, RolloutEngine, SamplingParams
 from dapo_mcore.utils.errors import DapoError, EngineError
 from dapo_mcore.utils.logging import get_logger
 
@@ -36,6 +36,11 @@ class GuardedEngine:
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         return self._call("generate", self.inner.generate, prompt_ids, params)
+
+    def generate_answers(
+        self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
+    ) -> list[Completion]:
+        return self._call("generate_answers", self.inner.generate_answers, requests, params, on_finished)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._call("update_weights", self.inner.update_weights, named_tensors)

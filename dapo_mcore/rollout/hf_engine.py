@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams
+from dapo_mcore.rollout.base import AnswerRequest, Completion, EngineSettings, OnFinished, SamplingParams
 from dapo_mcore.rollout.model_info import check_weight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,46 +47,65 @@ class HFEngine:
         return cls(model.to(settings.device), tokenizer, max_batch_rows, stop_token_ids(path, tokenizer.eos_token_id))
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        rows = [ids for ids in prompt_ids for _ in range(params.n)]
-        completions: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch_rows):
-            chunk = rows[start : start + self.max_batch_rows]
-            completions += self._generate_rows(chunk, params, seed=params.seed + start)
+        # request i's seed is the seed of the batch chunk it starts (see _generate_rows)
+        requests = [
+            AnswerRequest(ids, params.max_new_tokens, params.seed + i * params.n + j)
+            for i, ids in enumerate(prompt_ids)
+            for j in range(params.n)
+        ]
+        completions = self.generate_answers(requests, params, lambda i, c: False)
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
+    def generate_answers(
+        self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
+    ) -> list[Completion]:
+        completions: list[Completion] = []
+        stopper = None
+        for start in range(0, len(requests), self.max_batch_rows):
+            chunk = requests[start : start + self.max_batch_rows]
+            if stopper is not None and stopper.stopped:  # the round was stopped in an earlier chunk
+                completions += [self._completion(r, [], [], "abort") for r in chunk]
+                continue
+            stopper = _RoundStopper(self, chunk, start, on_finished)
+            completions += self._generate_rows(chunk, params, stopper)
+        return completions
+
     @torch.no_grad()
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, seed: int) -> list[Completion]:
+    def _generate_rows(self, rows: list[AnswerRequest], params: SamplingParams, stopper: _RoundStopper) -> list:
+        """One batch: the rows' inputs left-padded; one seed (the first row's) draws for all of them."""
         pad_id = self.tokenizer.pad_token_id
         if pad_id is None:
             pad_id = self.stop_ids[0]
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        inputs = [r.prompt_ids + list(r.answer_prefix) for r in rows]
+        width = max(len(ids) for ids in inputs)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in inputs], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in inputs], device=self.device)
+        stopper.width = width
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
+            torch.manual_seed(rows[0].seed)
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 **_decoding(params),
-                max_new_tokens=params.max_new_tokens,
+                max_new_tokens=max(r.max_new_tokens for r in rows),
                 eos_token_id=self.stop_ids,
                 pad_token_id=pad_id,
+                stopping_criteria=StoppingCriteriaList([stopper]),
                 output_logits=True,
                 return_dict_in_generate=True,
             )
         new_tokens = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float() / (params.temperature or 1.0)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        return [self._completion(new_tokens[i].tolist(), logprobs[i].tolist()) for i in range(len(rows))]
+        completions = []
+        for i, request in enumerate(rows):
+            length, reason = stopper.answer_end(i, new_tokens.shape[1])
+            tokens, row_logprobs = new_tokens[i, :length].tolist(), logprobs[i, :length].tolist()
+            completions.append(self._completion(request, tokens, row_logprobs, reason))
+        return completions
 
-    def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
-        stops = [i for i, token in enumerate(tokens) if token in self.stop_ids]
-        if stops:  # the first end-of-sequence token ends the answer (it is kept); the rest is padding
-            cut = stops[0] + 1
-            tokens, logprobs, reason = tokens[:cut], logprobs[:cut], "stop"
-        else:
-            reason = "length"
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def _completion(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
+        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
         return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text=text)
 
     @torch.no_grad()
@@ -113,3 +133,43 @@ def _decoding(params: SamplingParams) -> dict:
     if params.temperature == 0:
         return {"do_sample": False}
     return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+
+
+class _RoundStopper(StoppingCriteria):
+    """Called by transformers' decode loop after each new token: ends each row at its own token budget (the
+    loop knows only the longest), tells on_finished of each answer as it ends, and ends the whole batch once
+    on_finished says stop. The rows left unfinished then are the round's aborted answers."""
+
+    def __init__(self, engine: HFEngine, rows: list[AnswerRequest], first_index: int, on_finished: OnFinished):
+        self.engine, self.rows, self.first_index, self.on_finished = engine, rows, first_index, on_finished
+        self.width = 0  # the padded input width: new tokens start there
+        self.ends: list[tuple[int, str] | None] = [None] * len(rows)  # (answer length, finish reason)
+        self.stopped = False
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new_tokens = input_ids[:, self.width :]
+        n_new = new_tokens.shape[1]
+        for i, request in enumerate(self.rows):
+            if self.ends[i] is not None:
+                continue
+            if int(new_tokens[i, -1]) in self.engine.stop_ids:
+                self.ends[i] = (n_new, "stop")
+            elif n_new >= request.max_new_tokens:
+                self.ends[i] = (n_new, "length")
+            else:
+                continue
+            if not self.stopped:
+                tokens = new_tokens[i].tolist()
+                answer = self.engine._completion(request, tokens, [], self.ends[i][1])
+                self.stopped = bool(self.on_finished(self.first_index + i, answer))
+        if self.stopped:
+            return torch.ones(len(self.rows), dtype=torch.bool, device=input_ids.device)
+        return torch.tensor([end is not None for end in self.ends], dtype=torch.bool, device=input_ids.device)
+
+    def answer_end(self, i: int, n_new: int) -> tuple[int, str]:
+        """Row i's answer length and finish reason, given the n_new tokens the loop kept (a loop that checks
+        for the end a step late takes back the steps past it)."""
+        end = self.ends[i]
+        if end is not None and end[0] <= n_new:
+            return end
+        return n_new, "abort"

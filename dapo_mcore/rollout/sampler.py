@@ -17,6 +17,7 @@ the cap by accident (complaint 1). Round sizes are fixed, or follow a running ke
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,15 @@ from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 from dapo_mcore.rollout.exchange import GroupSummary, fetch_groups, summarize
+from dapo_mcore.rollout.partial import (
+    QuotaStopper,
+    RoundStats,
+    answer_requests,
+    empty_answers,
+    extend_answer,
+    partial_metrics,
+    split_stale,
+)
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
@@ -39,6 +49,7 @@ from dapo_mcore.utils.timers import PhaseTimer
 
 log = get_logger(__name__)
 _ALGO = AlgorithmConfig()
+_ROLLOUT = RolloutConfig()
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,10 @@ class SamplerSettings:
     length_penalty_safe_len: int = _ALGO.length_penalty.safe_len
     length_penalty_max_len: int = _ALGO.length_penalty.max_len
     dynamic_sampling: bool = _ALGO.dynamic_sampling.enabled
-    carry_surplus: bool = RolloutConfig().carry_surplus
+    carry_surplus: bool = _ROLLOUT.carry_surplus
+    partial_rollout: bool = _ROLLOUT.partial_rollout
+    partial_oversample: float = _ROLLOUT.partial_oversample
+    partial_max_staleness: int = _ROLLOUT.partial_max_staleness
     mode: str = _ALGO.dynamic_sampling.mode
     max_rounds: int = _ALGO.dynamic_sampling.max_rounds
     on_cap: str = _ALGO.dynamic_sampling.on_cap
@@ -117,6 +131,9 @@ class RolloutSampler:
         self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
         self.keep_filter, self.all_gather_padded = keep_filter, all_gather_padded
         self.carry: list[Group] = []
+        # Partial rollout: groups with unfinished answers, the same on every rank, continued first next round.
+        self.unfinished: list[Group] = []
+        self._partial_stats: list[RoundStats] = []
         self._local: dict[tuple[int, int], Group] = {}  # this replica's groups of the step, until it is chosen
         self.keep_rate = KeepRateEstimator()
 
@@ -125,8 +142,13 @@ class RolloutSampler:
         kept: list[Group | GroupSummary] = list(self.carry)
         generated: list[GroupSummary] = []
         rounds = 0
+        stale = self._drop_stale(step)
         while self._needs_round(len(kept), rounds):
-            summaries = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
+            if cfg.partial_rollout:
+                wanted = cfg.prompts_per_step - len(kept)
+                summaries = self._generate_partial_round(step, rounds, self._round_size(len(kept)), wanted, timer)
+            else:
+                summaries = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
             self.keep_rate.observe(len(summaries), sum(g.keep for g in summaries))
             generated += summaries
             kept += [g for g in summaries if g.keep]
@@ -145,7 +167,20 @@ class RolloutSampler:
         metrics.update(_policy_lag_metrics(batch_groups, step))
         metrics["dynamic_sampling/cap_hit"] = float(cap_hit)
         metrics["dynamic_sampling/keep_rate_estimate"] = self.keep_rate.rate if self.keep_rate.rate is not None else 1.0
+        if cfg.partial_rollout:
+            stale_tokens = sum(s.response_len for g in stale for s in g.samples)
+            stale_answers = sum(s.response_len > 0 for g in stale for s in g.samples)
+            stats, self._partial_stats = self._partial_stats, []
+            metrics.update(partial_metrics(stats, stale_answers, stale_tokens, len(self.unfinished)))
         return RolloutBatch(groups=batch_groups, metrics=metrics)
+
+    def _drop_stale(self, step: int) -> list[Group]:
+        """Partial rollout: drop the unfinished groups begun too long ago; returns them."""
+        self.unfinished, stale = split_stale(self.unfinished, step, self.settings.partial_max_staleness)
+        if stale:
+            log.info("step %d: dropped %d unfinished groups begun over %d weight versions ago",
+                     step, len(stale), self.settings.partial_max_staleness)  # fmt: skip
+        return stale
 
     def _needs_round(self, n_kept: int, rounds: int) -> bool:
         cfg = self.settings
@@ -189,6 +224,66 @@ class RolloutSampler:
         n, tp = self.n_replicas, self.engine_tp_size
         return [gathered[(i % n) * tp][i // n] for i in range(len(prompts))]
 
+    def _generate_partial_round(
+        self, step: int, round_idx: int, n_prompts: int, wanted: int, timer: PhaseTimer
+    ) -> list[GroupSummary]:
+        """A round that stops once this replica has kept its share of the `wanted` groups. Its inputs: the
+        unfinished groups first, then new prompts up to the round's size (x partial_oversample). Returns the
+        summaries of the groups whose answers all ended, in input order; the rest become self.unfinished
+        (fetched to every rank)."""
+        cfg = self.settings
+        n_new = max(0, math.ceil(n_prompts * cfg.partial_oversample) - len(self.unfinished))
+        inputs = self.unfinished + [Group(p) for p in self.prompts.take(n_new)]  # identical on every rank
+        mine = inputs[self.replica :: self.n_replicas]
+        for group in mine:
+            if not group.samples:  # a new prompt
+                group.samples = empty_answers(
+                    self.tokenizer(group.prompt.text).input_ids, cfg.n_samples_per_prompt, step
+                )
+        requests, slots = answer_requests(
+            mine, cfg.max_response_len, derive_seed(cfg.seed, step, round_idx, self.replica)
+        )
+        quota = math.ceil(wanted / self.n_replicas)
+        stopper = QuotaStopper(mine, slots, quota, self._judge, version=step)
+        params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p)
+        with timer.phase("generate"):
+            completions = self.engine.generate_answers(requests, params, stopper) if requests else []
+        groups = [Group(g.prompt, list(g.samples)) for g in mine]
+        for slot, completion in zip(slots, completions):
+            sample = groups[slot.group].samples[slot.sample]
+            groups[slot.group].samples[slot.sample] = extend_answer(sample, completion, step)
+        with timer.phase("reward"):
+            whole = [i for i, g in enumerate(groups) if all(s.finished for s in g.samples)]
+            self._score_partial([groups[i] for i in whole], [stopper.judged.get(i) for i in whole])
+        keep = {i for i, kept in zip(whole, self._keep_mask([groups[i] for i in whole])) if kept}
+        keys = [(round_idx, i) for i in range(len(groups))]
+        self._local.update(zip(keys, groups))
+        mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
+        gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
+        n, tp = self.n_replicas, self.engine_tp_size
+        self._partial_stats += [stats for _, stats in gathered[::tp]]
+        ordered = [gathered[(i % n) * tp][0][i // n] for i in range(len(inputs))]
+        with timer.phase("exchange"):
+            pending = [g for g in ordered if not g.finished]
+            self.unfinished = fetch_groups(
+                pending, self._local, self.replica, self.n_replicas, self.engine_tp_size, self.all_gather_padded
+            )
+        return [g for g in ordered if g.finished]
+
+    def _judge(self, group: Group) -> bool:
+        """Score a group whose answers have all ended and say whether the filter keeps it (QuotaStopper)."""
+        self._score([group])
+        return self._keep_mask([group])[0]
+
+    def _score_partial(self, groups: list[Group], judged: list[Group | None]) -> None:
+        """Score whole groups; those judged while the round ran take the verdicts they got then."""
+        for group, earlier in zip(groups, judged):
+            if earlier is not None:
+                for sample, scored in zip(group.samples, earlier.samples):
+                    sample.correct, sample.timed_out = scored.correct, scored.timed_out
+        self._score([g for g, earlier in zip(groups, judged) if earlier is None])
+        self._apply_rewards([g for g, earlier in zip(groups, judged) if earlier is not None])
+
     def _generate(self, prompts: list[Prompt], params: SamplingParams, step: int) -> list[Group]:
         if not prompts:
             return []
@@ -219,6 +314,13 @@ class RolloutSampler:
         verdicts = self.verify([(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
         for s, verdict in zip(samples, verdicts):
             s.correct, s.timed_out = verdict.correct, verdict.timed_out
+        self._apply_rewards(groups)
+
+    def _apply_rewards(self, groups: list[Group]) -> None:
+        """Length penalties, rewards and overlong filtering, from the verdicts already on the samples."""
+        samples = [s for g in groups for s in g.samples]
+        if not samples:
+            return
         penalty_B = self._length_penalty(torch.tensor([len(s.response_ids) for s in samples]))
         trainable_B = torch.ones(len(samples))
         if self.settings.overlong_filter:
@@ -291,23 +393,30 @@ class RolloutSampler:
             "prompts": self.prompts.state_dict(),
             "carry": [group_to_dict(g) for g in self.carry],
             "keep_rate": self.keep_rate.state_dict(),
+            "unfinished": [group_to_dict(g) for g in self.unfinished],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.carry = [group_from_dict(g) for g in state["carry"]]
         self.keep_rate.load_state_dict(state["keep_rate"])
+        self.unfinished = [group_from_dict(g) for g in state.get("unfinished", [])]  # saves before partial rollout
 
 
 def _policy_lag_metrics(batch: list[Group], step: int) -> dict[str, float]:
-    """How much of the batch an older policy sampled (groups carried over from earlier steps): the share of
-    its samples, and the largest lag in weight versions."""
+    """How much of the batch older weights sampled (groups carried over from earlier steps, answers continued
+    by partial rollout): the share of its samples begun by older weights, the largest lag in weight versions,
+    and per token (each tagged with the weights that generated it) the share and the mean lag."""
     lags = [step - s.policy_step for g in batch for s in g.samples]
     if not lags:
         return {}
+    token_lags = [(step - version, n) for g in batch for s in g.samples for version, n in s.token_versions()]
+    tokens = sum(n for _, n in token_lags)
     return {
         "rollout/off_policy_frac": sum(lag > 0 for lag in lags) / len(lags),
         "rollout/policy_lag_max": float(max(lags)),
+        "rollout/off_policy_token_frac": sum(n for lag, n in token_lags if lag > 0) / tokens if tokens else 0.0,
+        "rollout/token_lag_mean": sum(lag * n for lag, n in token_lags) / tokens if tokens else 0.0,
     }
 
 

@@ -18,7 +18,15 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, SleepState, request_seeds
+from dapo_mcore.rollout.base import (
+    AnswerRequest,
+    Completion,
+    EngineSettings,
+    OnFinished,
+    SamplingParams,
+    SleepState,
+    request_seeds,
+)
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
@@ -43,6 +51,7 @@ class VLLMEngine:
         self.shapes = hf_weight_shapes(settings.model_path)
         # vLLM's sleep mode frees nothing on the CPU
         self.sleep = SleepState(not self.on_cpu and settings.sleep_level > 0, ("weights", "kv_cache"))
+        self._round = 0  # generate_answers' rounds: request ids unique in the engine
 
     @classmethod
     def create(cls, settings: EngineSettings) -> VLLMEngine:
@@ -67,21 +76,10 @@ class VLLMEngine:
         return cls(llm, settings)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         requests = [
-            VSamplingParams(
-                n=params.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=-1,
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-                logprobs=0,  # the sampled token's log-prob only
-                seed=seed,
-                skip_special_tokens=True,
-            )
+            self._sampling(params, params.n, params.max_new_tokens, seed)
             for seed in request_seeds(params, len(prompt_ids))
         ]
         outputs = self.llm.generate(
@@ -89,12 +87,71 @@ class VLLMEngine:
         )
         return [[self._completion(out) for out in request.outputs] for request in outputs]
 
+    def _sampling(self, params: SamplingParams, n: int, max_new_tokens: int, seed: int, **extra):
+        from vllm import SamplingParams as VSamplingParams
+
+        return VSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=-1,
+            max_tokens=max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            skip_special_tokens=True,
+            **extra,
+        )
+
+    def generate_answers(
+        self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
+    ) -> list[Completion]:
+        """vLLM's own step loop (what LLM.generate runs), each request streaming its new tokens (DELTA
+        outputs); once on_finished says stop, the unfinished requests are aborted in the engine."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, self._round = self.llm.llm_engine, self._round + 1
+        ids = [f"dapo-{self._round}-{i}" for i in range(len(requests))]
+        for request_id, r in zip(ids, requests):
+            sampling = self._sampling(params, 1, r.max_new_tokens, r.seed, output_kind=RequestOutputKind.DELTA)
+            engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=r.prompt_ids + list(r.answer_prefix)), sampling
+            )
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        reasons: list[str | None] = [None] * len(requests)
+        stopped = False
+        try:
+            while not stopped and engine.has_unfinished_requests():
+                for out in engine.step():
+                    i, delta = index[out.request_id], out.outputs[0]
+                    tokens[i] += delta.token_ids
+                    logprobs[i] += [step[token].logprob for step, token in zip(delta.logprobs, delta.token_ids)]
+                    if out.finished:
+                        reasons[i] = _finish_reason(delta.finish_reason)
+                        answer = self._answer(requests[i], tokens[i], logprobs[i], reasons[i])
+                        if not stopped:  # the answers ending in the same step are kept, untold
+                            stopped = bool(on_finished(i, answer))
+        finally:  # stopped, or failed: nothing of this round may stay in the engine
+            unfinished = [request_id for request_id, reason in zip(ids, reasons) if reason is None]
+            if unfinished:
+                engine.abort_request(unfinished)
+        return [
+            self._answer(r, t, lp, reason or "abort") for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+        ]
+
+    def _answer(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
+        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
+        return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
+
     def _completion(self, out) -> Completion:
         tokens = list(out.token_ids)
         logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
-        if out.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended a request with finish_reason={out.finish_reason!r}")
-        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=out.finish_reason, text=out.text)
+        return Completion(
+            token_ids=tokens, logprobs=logprobs, finish_reason=_finish_reason(out.finish_reason), text=out.text
+        )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags), only=("weights",))  # KV cache: at resume
@@ -118,6 +175,12 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _finish_reason(reason: str | None) -> str:
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a request with finish_reason={reason!r}")
+    return reason
 
 
 def _llm_kwargs(s: EngineSettings) -> dict:

@@ -3,7 +3,8 @@
 An engine starts without weights (as in training), receives the actor's HF-named weights through the push
 path, and must then decode as the Megatron-Core actor does (greedy tokens equal, per-token log-probs equal
 within LOGPROB_ATOL in fp32), return n answers with both finish reasons, repeat itself for the same seed,
-and refuse a push that names an unknown tensor, has a wrong shape or fails its checksum.
+stop a round on request with every unfinished answer's tokens so far, continue such an answer as if it had
+never stopped (greedy), and refuse a push that names an unknown tensor, has a wrong shape or fails its checksum.
 
 Engines that are not installed, or need CUDA on a machine without it, are skipped with the reason.
 """
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo_mcore.rollout.base import EngineSettings, SamplingParams
+from dapo_mcore.rollout.base import AnswerRequest, EngineSettings, SamplingParams
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.weight_sync.verify import checksums, verified
@@ -32,6 +33,8 @@ MODEL = REPO / "examples/models/tiny-arith"
 LOGPROB_ATOL = 1e-4
 PROMPTS = ["What is 3+4?\n", "What is 17+25?\n", "What is 29+0?\n"]
 MAX_NEW = 24
+# A stopped round (generate_answers): its first answer's budget, whose end stops the round.
+STOP_AFTER = 5
 
 # Set by tests/engines/test_sglang_cpu.py, which runs this module inside SGLang's CPU test environment.
 SGLANG_CPU_ENV = "DAPO_SGLANG_CPU_ENV"
@@ -154,6 +157,48 @@ def test_seeded_requests_longer_than_one_engine_step_are_answered(engine, tokeni
     if engine.inner.seeded_sampling:
         again = engine.generate([long_prompt] * 64, params)
         assert [[c.token_ids for c in g] for g in out] == [[c.token_ids for c in g] for g in again]
+
+
+def stopped_round(engine, prompts: list[list[int]], stop_after: int) -> tuple[list, list]:
+    """Greedy: the first prompt with a budget of `stop_after` tokens, the others with MAX_NEW; the round is
+    stopped when the first answer ends. Returns the completions and the (index, reason) of each callback."""
+    requests = [AnswerRequest(prompts[0], stop_after, 0)] + [AnswerRequest(ids, MAX_NEW, 0) for ids in prompts[1:]]
+    told = []
+    stop_at_first = lambda i, c: told.append((i, c.finish_reason, list(c.token_ids))) or True
+    return engine.generate_answers(requests, SamplingParams(n=1, temperature=0.0), stop_at_first), told
+
+
+def test_a_stopped_round_returns_exactly_the_tokens_and_log_probs_generated_so_far(engine, tokenizer):
+    prompts = prompt_ids(tokenizer)
+    whole = [g[0] for g in engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW))]
+    assert all(len(c.token_ids) > STOP_AFTER for c in whole)  # else nothing would be left unfinished
+    out, told = stopped_round(engine, prompts, STOP_AFTER)
+    assert told == [(0, "length", whole[0].token_ids[:STOP_AFTER])]  # told once, then stopped
+    assert out[0].finish_reason == "length" and out[0].token_ids == whole[0].token_ids[:STOP_AFTER]
+    for partial, full in zip(out[1:], whole[1:]):
+        n = len(partial.token_ids)
+        assert partial.finish_reason == "abort" and 0 < n < len(full.token_ids)
+        assert partial.token_ids == full.token_ids[:n] and len(partial.logprobs) == n
+        torch.testing.assert_close(
+            torch.tensor(partial.logprobs), torch.tensor(full.logprobs[:n]), rtol=0, atol=LOGPROB_ATOL
+        )
+        assert partial.text == tokenizer.decode(partial.token_ids, skip_special_tokens=True)
+
+
+def test_continuing_a_stopped_answer_gives_the_answer_made_in_one_go(engine, tokenizer):
+    prompts = prompt_ids(tokenizer)
+    whole = [g[0] for g in engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW))]
+    partial = stopped_round(engine, prompts, STOP_AFTER)[0][1:]
+    rest = [
+        AnswerRequest(ids, MAX_NEW - len(c.token_ids), 0, answer_prefix=tuple(c.token_ids))
+        for ids, c in zip(prompts[1:], partial)
+    ]
+    continued = engine.generate_answers(rest, SamplingParams(n=1, temperature=0.0), lambda i, c: False)
+    for first, second, full in zip(partial, continued, whole[1:]):
+        assert first.token_ids + second.token_ids == full.token_ids
+        assert second.finish_reason == full.finish_reason and second.text == full.text  # the whole answer's text
+        both = torch.tensor(first.logprobs + second.logprobs)
+        torch.testing.assert_close(both, torch.tensor(full.logprobs), rtol=0, atol=LOGPROB_ATOL)
 
 
 def test_a_push_with_an_unknown_name_or_a_wrong_shape_is_an_error(engine):
