@@ -99,7 +99,6 @@ class RolloutConfig:
     # round stops as soon as the step has its kept groups instead of waiting for its longest answer; the
     # unfinished answers wait and are continued first at the next step, by the new weights (each token tagged
     # with the weights that generated it; algorithm.mismatch corrects against the engine's log-probs).
-    # Engines: hf, vllm.
     partial_rollout: bool = False
     # With partial rollout, prompts per round = gen_prompts_per_round x this: more answers in flight, so the
     # round can stop sooner.

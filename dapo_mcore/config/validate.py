@@ -159,10 +159,6 @@ def _check_rollout(cfg: RunConfig) -> None:
 
 def _check_partial_rollout(cfg: RunConfig) -> None:
     ro = cfg.rollout
-    _require(
-        ro.engine in ("hf", "vllm"),
-        f"rollout.partial_rollout with rollout.engine={ro.engine}: stopping a round is built for hf and vllm",
-    )
     _require(ro.partial_oversample >= 1, "rollout.partial_oversample must be >= 1")
     _require(ro.partial_max_staleness >= 0, "rollout.partial_max_staleness must be >= 0")
     _require(

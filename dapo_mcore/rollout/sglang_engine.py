@@ -16,7 +16,15 @@ from pathlib import Path
 
 import torch
 
-from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams, SleepState, request_seeds
+from dapo_mcore.rollout.base import (
+    AnswerRequest,
+    Completion,
+    EngineSettings,
+    OnFinished,
+    SamplingParams,
+    SleepState,
+    request_seeds,
+)
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 from dapo_mcore.utils.errors import ConfigError
 
@@ -34,6 +42,8 @@ class SGLangEngine:
         self.sleep = SleepState(not self.on_cpu and settings.sleep_level > 0, ("weights", "kv_cache", "cuda_graph"))
         # The same seed and weights give the same answers (deterministic inference, GPU only).
         self.seeded_sampling = not self.on_cpu
+        self.tokenizer = engine.tokenizer_manager.tokenizer
+        self._round = 0  # generate_answers' rounds: request ids unique in the engine
 
     @classmethod
     def create(cls, settings: EngineSettings) -> SGLangEngine:
@@ -54,29 +64,68 @@ class SGLangEngine:
         for ids, seed in zip(prompt_ids, request_seeds(params, len(prompt_ids))):
             for j in range(params.n):
                 inputs.append(ids)
-                sampling.append(
-                    {
-                        "temperature": params.temperature,
-                        "top_p": params.top_p,
-                        "top_k": -1,
-                        "max_new_tokens": params.max_new_tokens,
-                        "stop_token_ids": self.stop_ids,
-                        "sampling_seed": seed + j,
-                        "skip_special_tokens": True,
-                    }
-                )
+                sampling.append(self._sampling(params, params.max_new_tokens, seed + j))
         outputs = self.engine.generate(input_ids=inputs, sampling_params=sampling, return_logprob=True)
         completions = [self._completion(out) for out in outputs]
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
+    def _sampling(self, params: SamplingParams, max_new_tokens: int, seed: int) -> dict:
+        return {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": -1,
+            "max_new_tokens": max_new_tokens,
+            "stop_token_ids": self.stop_ids,
+            "sampling_seed": seed,
+            "skip_special_tokens": True,
+        }
+
+    def generate_answers(
+        self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
+    ) -> list[Completion]:
+        """The batch streamed (each chunk: one request's tokens and log-probs so far); once on_finished says
+        stop, the unfinished requests are aborted and the stream read to its end, each aborted request's last
+        chunk holding what it had generated."""
+        self._round += 1
+        rids = [f"dapo-{self._round}-{i}" for i in range(len(requests))]
+        stream = self.engine.generate(
+            input_ids=[r.prompt_ids + list(r.answer_prefix) for r in requests],
+            sampling_params=[self._sampling(params, r.max_new_tokens, r.seed) for r in requests],
+            return_logprob=True,
+            stream=True,
+            rid=rids,
+        )
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        reasons: list[str | None] = [None] * len(requests)
+        stopped = False
+        for chunk in stream:
+            i, meta = chunk["index"], chunk["meta_info"]
+            if "output_ids" in chunk:  # cumulative (SGLang's default streaming)
+                tokens[i] = list(chunk["output_ids"])
+                logprobs[i] = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []][: len(tokens[i])]
+            if meta.get("finish_reason") is None or reasons[i] is not None:
+                continue
+            reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
+            if not stopped and reasons[i] != "abort":
+                stopped = bool(on_finished(i, self._answer(requests[i], tokens[i], logprobs[i], reasons[i])))
+                if stopped:
+                    for rid, reason in zip(rids, reasons):
+                        if reason is None:
+                            self.engine.tokenizer_manager.abort_request(rid=rid)
+        return [
+            self._answer(r, t, lp, reason or "abort") for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+        ]
+
+    def _answer(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
+        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
+        return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
+
     def _completion(self, out: dict) -> Completion:
         meta = out["meta_info"]
-        reason = meta["finish_reason"]["type"]
-        if reason not in ("stop", "length"):
-            raise RuntimeError(f"SGLang ended a request with finish_reason={meta['finish_reason']!r}")
         tokens = list(out["output_ids"])
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text=out["text"])
+        return Completion(tokens, logprobs, _finish_reason(meta["finish_reason"]), out["text"])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.engine.resume_memory_occupation(tags=tags), only=("weights",))
@@ -110,6 +159,13 @@ class SGLangEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+def _finish_reason(reason: dict, allow_abort: bool = False) -> str:
+    kind = reason["type"]
+    if kind in ("stop", "length") or (kind == "abort" and allow_abort):
+        return kind
+    raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r}")
 
 
 def _ok(result, what: str) -> None:
