@@ -97,6 +97,22 @@ def test_a_run_killed_mid_step_resumes_to_identical_metrics_and_weights(referenc
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+# Partial rollout with 2x over-sampling: rounds stop at the step's 4 kept groups, with answers unfinished.
+PARTIAL = ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"]
+
+
+def test_a_run_killed_with_unfinished_answers_saved_continues_them_to_identical_metrics(tmp_path):
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    cli(*train_args(reference, *PARTIAL))
+    rows = read_rows(reference)
+    assert rows[3]["rollout/unfinished_groups"] > 0  # the save before step 4 holds unfinished answers
+    assert rows[4]["rollout/continued_answers"] > 0  # and step 4 continues them
+    run_until_killed(run_dir, 5, *PARTIAL)  # killed during step 5
+    proc = cli(*train_args(run_dir, "checkpoint.resume=auto", *PARTIAL))
+    assert "step_000004 at step 4" in proc.stderr
+    assert without_timings(read_rows(run_dir)) == without_timings(rows)
+
+
 def damage(save: Path, how: str) -> str:
     """Cut a save short the way a killed job or a full disk does; returns what the error must say."""
     if how == "missing_shard":
