@@ -9,6 +9,12 @@ with 0 < accuracy < 1 for dynamic sampling, and responses in the overlong zone f
 DAPO has to find the accepted format and shorter answers from rewards alone.
 
     python tools/make_tiny_model.py --out examples/models/tiny-arith
+
+The long-tail variant for the partial-rollout benchmark (tools/bench_rollout.py --long-tail): one answer in
+eight runs on with 12..40 filler words (60-200 tokens) instead of 0..5, as the longest chains of thought do:
+
+    python tools/make_tiny_model.py --out examples/models/tiny-arith-longtail --long-tail 0.125:12:40 \
+        --max-positions 256 --steps 1000 --eval-every 250
 """
 
 from __future__ import annotations
@@ -27,12 +33,18 @@ from dapo_mcore.rewards.dapo_rule import is_correct
 FILLER = "hmm, "
 
 
-def sft_text(prompt: str, answer: str, rng: random.Random, p_answer_format: float, max_filler: int) -> str:
+def sft_text(
+    prompt: str, answer: str, rng: random.Random, p_answer_format: float, max_filler: int, long_tail=None
+) -> str:
+    """long_tail (p, lo, hi): with probability p the answer takes lo..hi filler words instead of 0..max_filler."""
     label = "Answer" if rng.random() < p_answer_format else "Result"
-    return prompt + FILLER * rng.randint(0, max_filler) + f"{label}: {answer}"
+    fillers = rng.randint(0, max_filler)
+    if long_tail and rng.random() < long_tail[0]:
+        fillers = rng.randint(long_tail[1], long_tail[2])
+    return prompt + FILLER * fillers + f"{label}: {answer}"
 
 
-def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokenizer):
+def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokenizer, max_positions: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -44,7 +56,7 @@ def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokeni
         num_key_value_heads=2,
         # vLLM's CPU attention kernels take head sizes of 32 and up, so the demo runs on every engine.
         head_dim=head_dim,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -93,7 +105,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--long-tail", default="", help="P:LO:HI: with probability P, LO..HI filler words")
+    ap.add_argument("--max-positions", type=int, default=128)
     args = ap.parse_args()
+    long_tail = None
+    if args.long_tail:
+        p, lo, hi = args.long_tail.split(":")
+        long_tail = (float(p), int(lo), int(hi))
 
     from transformers import AutoTokenizer
 
@@ -104,13 +122,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     task = ArithmeticTask(0, args.max_operand, "+")
-    model = build_model(len(tokenizer), args.hidden, args.layers, args.head_dim, tokenizer)
+    model = build_model(len(tokenizer), args.hidden, args.layers, args.head_dim, tokenizer, args.max_positions)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     start = time.time()
     for step in range(args.steps):
         problems = [task[rng.randrange(len(task))] for _ in range(args.batch)]
-        texts = [sft_text(p.text, p.answer, rng, args.p_answer_format, args.max_filler) for p in problems]
+        texts = [sft_text(p.text, p.answer, rng, args.p_answer_format, args.max_filler, long_tail) for p in problems]
         ids, labels = batch_tensors(texts, [p.text for p in problems], tokenizer)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
