@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 from dapo_mcore.config import load_config
-from dapo_mcore.config.presets import ABLATIONS
+from dapo_mcore.config.presets import ABLATIONS, ROLLOUT_VARIANTS
+
+VARIANTS = {**ABLATIONS, **ROLLOUT_VARIANTS}
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 WINDOW = 5
@@ -44,7 +46,7 @@ def run_one(config: str, variant: str, seed: int, runs_dir: Path) -> Path:
         "dapo_mcore.cli",
         "train",
         config,
-        *ABLATIONS[variant],
+        *VARIANTS[variant],
         f"rollout.seed={seed}",
         f"data.seed={seed}",
         f"logging.run_dir={run_dir}",
@@ -149,7 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="examples/smoke_cpu.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--variants", nargs="+", default=list(ABLATIONS), choices=list(ABLATIONS))
+    ap.add_argument("--variants", nargs="+", default=list(ABLATIONS), choices=list(VARIANTS))
     ap.add_argument("--target", type=float, default=0.6)
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/ablation"))
     ap.add_argument("--out", type=Path, default=Path("docs/ablation.md"))
@@ -162,7 +164,8 @@ def main() -> None:
     png = args.out.with_name(args.out.stem + ".png")
     plot(results, png)
     section = (
-        f"Command: `python tools/ablation.py --config {args.config} --seeds {' '.join(map(str, args.seeds))}` "
+        f"Command: `python tools/ablation.py --config {args.config} --seeds {' '.join(map(str, args.seeds))}"
+        f"{'' if args.variants == list(ABLATIONS) else ' --variants ' + ' '.join(args.variants)}` "
         f"on {platform.machine()} ({platform.processor() or 'CPU'}), {time.strftime('%Y-%m-%d')}.\n\n"
         f"{table(results, args.target)}\n\n![accuracy and length by variant]({png.name})"
     )

@@ -19,3 +19,13 @@ ABLATIONS: dict[str, list[str]] = {
     "grpo": [override for name in COMPONENTS_OFF for override in COMPONENTS_OFF[name]],
     **{f"no_{name}": overrides for name, overrides in COMPONENTS_OFF.items()},
 }
+
+# Not ablations: DAPO with its rollout changed (tools/ablation.py --variants ...; docs/partial_rollout.md).
+ROLLOUT_VARIANTS: dict[str, list[str]] = {
+    "partial_rollout": ["rollout.partial_rollout=true", "rollout.partial_oversample=2"],
+    "partial_rollout_tis": [
+        "rollout.partial_rollout=true",
+        "rollout.partial_oversample=2",
+        "algorithm.mismatch.tis=token",
+    ],
+}
