@@ -87,6 +87,13 @@ class AnswerRequest:
     answer_prefix: tuple[int, ...] = ()
 
 
+def answer_completion(tokenizer, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str):
+    """The completion of a request of generate_answers: its new tokens and their log-probs, and the text of the
+    whole answer (the tokens it continued included)."""
+    text = tokenizer.decode(list(request.answer_prefix) + list(tokens), skip_special_tokens=True)
+    return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
+
+
 # Told of each answer as it ends (its index in the request list; token_ids and text as in the final
 # completion, log-probs possibly not yet filled in): True stops the round.
 OnFinished = Callable[[int, Completion], bool]

@@ -11,7 +11,14 @@ from collections.abc import Iterable
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from dapo_mcore.rollout.base import AnswerRequest, Completion, EngineSettings, OnFinished, SamplingParams
+from dapo_mcore.rollout.base import (
+    AnswerRequest,
+    Completion,
+    EngineSettings,
+    OnFinished,
+    SamplingParams,
+    answer_completion,
+)
 from dapo_mcore.rollout.model_info import check_weight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +71,7 @@ class HFEngine:
         for start in range(0, len(requests), self.max_batch_rows):
             chunk = requests[start : start + self.max_batch_rows]
             if stopper is not None and stopper.stopped:  # the round was stopped in an earlier chunk
-                completions += [self._completion(r, [], [], "abort") for r in chunk]
+                completions += [answer_completion(self.tokenizer, r, [], [], "abort") for r in chunk]
                 continue
             stopper = _RoundStopper(self, chunk, start, on_finished)
             completions += self._generate_rows(chunk, params, stopper)
@@ -101,12 +108,8 @@ class HFEngine:
         for i, request in enumerate(rows):
             length, reason = stopper.answer_end(i, new_tokens.shape[1])
             tokens, row_logprobs = new_tokens[i, :length].tolist(), logprobs[i, :length].tolist()
-            completions.append(self._completion(request, tokens, row_logprobs, reason))
+            completions.append(answer_completion(self.tokenizer, request, tokens, row_logprobs, reason))
         return completions
-
-    def _completion(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
-        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
-        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text=text)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -160,7 +163,7 @@ class _RoundStopper(StoppingCriteria):
                 continue
             if not self.stopped:
                 tokens = new_tokens[i].tolist()
-                answer = self.engine._completion(request, tokens, [], self.ends[i][1])
+                answer = answer_completion(self.engine.tokenizer, request, tokens, [], self.ends[i][1])
                 self.stopped = bool(self.on_finished(self.first_index + i, answer))
         if self.stopped:
             return torch.ones(len(self.rows), dtype=torch.bool, device=input_ids.device)

@@ -23,6 +23,7 @@ from dapo_mcore.rollout.base import (
     OnFinished,
     SamplingParams,
     SleepState,
+    answer_completion,
     request_seeds,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
@@ -108,18 +109,17 @@ class SGLangEngine:
                 continue
             reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
             if not stopped and reasons[i] != "abort":
-                stopped = bool(on_finished(i, self._answer(requests[i], tokens[i], logprobs[i], reasons[i])))
+                stopped = bool(
+                    on_finished(i, answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i]))
+                )
                 if stopped:
                     for rid, reason in zip(rids, reasons):
                         if reason is None:
                             self.engine.tokenizer_manager.abort_request(rid=rid)
         return [
-            self._answer(r, t, lp, reason or "abort") for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+            answer_completion(self.tokenizer, r, t, lp, reason or "abort")
+            for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
         ]
-
-    def _answer(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
-        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
-        return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
 
     def _completion(self, out: dict) -> Completion:
         meta = out["meta_info"]

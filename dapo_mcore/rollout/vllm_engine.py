@@ -25,6 +25,7 @@ from dapo_mcore.rollout.base import (
     OnFinished,
     SamplingParams,
     SleepState,
+    answer_completion,
     request_seeds,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
@@ -131,7 +132,7 @@ class VLLMEngine:
                     logprobs[i] += [step[token].logprob for step, token in zip(delta.logprobs, delta.token_ids)]
                     if out.finished:
                         reasons[i] = _finish_reason(delta.finish_reason)
-                        answer = self._answer(requests[i], tokens[i], logprobs[i], reasons[i])
+                        answer = answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i])
                         if not stopped:  # the answers ending in the same step are kept, untold
                             stopped = bool(on_finished(i, answer))
         finally:  # stopped, or failed: nothing of this round may stay in the engine
@@ -139,12 +140,9 @@ class VLLMEngine:
             if unfinished:
                 engine.abort_request(unfinished)
         return [
-            self._answer(r, t, lp, reason or "abort") for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+            answer_completion(self.tokenizer, r, t, lp, reason or "abort")
+            for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
         ]
-
-    def _answer(self, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str) -> Completion:
-        text = self.tokenizer.decode(list(request.answer_prefix) + tokens, skip_special_tokens=True)
-        return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
 
     def _completion(self, out) -> Completion:
         tokens = list(out.token_ids)
