@@ -100,8 +100,13 @@ def test_rerun_into_the_same_directory_keeps_the_earlier_run(tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2"]],
-    ids=["tp2", "pp2"],
+    [
+        ["parallel.tensor_model_parallel_size=2"],
+        ["parallel.pipeline_model_parallel_size=2"],
+        # two engine replicas, each stopping its share of a round; unfinished groups gathered on every rank
+        ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"],
+    ],
+    ids=["tp2", "pp2", "dp2-partial-rollout"],
 )
 def test_two_process_run_under_torchrun(tmp_path, layout):
     run_dir = tmp_path / "run"
@@ -118,6 +123,8 @@ def test_two_process_run_under_torchrun(tmp_path, layout):
     )
     rows = read_rows(run_dir)
     assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 for r in rows)
+    if "rollout.partial_rollout=true" in layout:
+        assert all(r["dynamic_sampling/kept_groups"] == 4 and "rollout/unfinished_groups" in r for r in rows)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["tensor_model_parallel_size"] in (1, 2)
 
 
