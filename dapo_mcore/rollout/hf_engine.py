@@ -152,10 +152,11 @@ class _RoundStopper(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         new_tokens = input_ids[:, self.width :]
         n_new = new_tokens.shape[1]
+        last = new_tokens[:, -1].tolist()  # one device->host copy a step, not one per row
         for i, request in enumerate(self.rows):
             if self.ends[i] is not None:
                 continue
-            if int(new_tokens[i, -1]) in self.engine.stop_ids:
+            if last[i] in self.engine.stop_ids:
                 self.ends[i] = (n_new, "stop")
             elif n_new >= request.max_new_tokens:
                 self.ends[i] = (n_new, "length")
