@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from dapo_mcore.rollout.partial import RoundStats, partial_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -61,38 +63,38 @@ class Tally:
         self.groups += len(batch.groups)
         self.tokens += sum(s.response_len for g in batch.groups for s in g.samples)
 
-    def row(self, name: str, engine_slots: tuple[int, int]) -> dict:
-        used, offered = engine_slots
+    def row(self, name: str, utilisation: float) -> dict:
         return {
             "sampler": name,
             "steps": self.steps,
             "rollout s": self.seconds,
             "kept groups/s": self.groups / self.seconds,
             "trained tokens/s": self.tokens / self.seconds,
-            "slot utilisation": used / offered if offered else 1.0,
+            "slot utilisation": utilisation,
         }
 
 
 class SlotCounter:
-    """Wraps the engine: counts, per sampler, the tokens every call generated and the answer x decode-step
-    slots it held (each call as long as its longest answer: all answers of a call start together)."""
+    """Wraps the engine: records each call's RoundStats for one sampler, so that both samplers' slot
+    utilisation is computed as the partial sampler's metric is (rollout/partial.py: partial_metrics)."""
 
     def __init__(self, engine):
-        self.engine, self.used, self.offered = engine, 0, 0
+        self.engine, self.stats = engine, []
 
     def generate(self, prompt_ids, params):
         groups = self.engine.generate(prompt_ids, params)
-        lengths = [len(c.token_ids) for g in groups for c in g]
-        self.used += sum(lengths)
-        self.offered += len(lengths) * max(lengths, default=0)
+        answers = [c for g in groups for c in g]
+        self.stats.append(RoundStats(len(answers), 0, sum(len(c.token_ids) for c in answers),
+                                     max((len(c.token_ids) for c in answers), default=0)))  # fmt: skip
         return groups
 
     def generate_answers(self, requests, params, on_finished):
         answers = self.engine.generate_answers(requests, params, on_finished)
-        lengths = [len(c.token_ids) for c in answers]
-        self.used += sum(lengths)
-        self.offered += len(lengths) * max(lengths, default=0)
+        self.stats.append(RoundStats.of(requests, answers))
         return answers
+
+    def utilisation(self) -> float:
+        return partial_metrics(self.stats, 0, 0, 0)["rollout/slot_utilization"]
 
 
 def main() -> None:
@@ -128,7 +130,7 @@ def main() -> None:
                 batch = sampler.next_batch(step, PhaseTimer())
                 tallies[name].add(batch, time.perf_counter() - start)
         print(f"turn {turn + 1}/{args.turns} done", flush=True)
-    rows = [tallies[name].row(name, (counters[name].used, counters[name].offered)) for name in samplers]
+    rows = [tallies[name].row(name, counters[name].utilisation()) for name in samplers]
     print(f"\n{args.engine} engine, {Path(args.model).name}, {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.turns} turns x {args.steps} steps; "
           f"{args.prompts_per_step} groups/step of {args.n}, {args.gen_prompts} prompts/round, "

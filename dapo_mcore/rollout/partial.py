@@ -77,7 +77,8 @@ def extend_answer(sample: Sample, completion: Completion, version: int) -> Sampl
 class QuotaStopper:
     """on_finished for one replica's share of a round: as an answer ends it joins its group; a group whose
     answers have all ended is scored and filtered at once (`judge`: True when kept), and the round stops once
-    `quota` groups are kept. Judged groups' results are kept, so that they are not scored twice."""
+    `quota` groups are kept. Judged groups' verdicts and keep decisions are kept, so that they are not scored
+    or filtered twice."""
 
     def __init__(
         self, groups: list[Group], slots: list[AnswerSlot], quota: int, judge: Callable[[Group], bool], version: int
@@ -86,7 +87,7 @@ class QuotaStopper:
         self.waiting = [sum(not s.finished for s in g.samples) for g in groups]
         self.ended: dict[int, list[Sample]] = {}  # group -> its answers so far (the ended ones extended)
         self.judged: dict[int, Group] = {}  # group -> the scored whole group
-        self.kept = 0
+        self.kept: set[int] = set()  # the judged groups the filter kept
 
     def __call__(self, index: int, completion: Completion) -> bool:
         slot = self.slots[index]
@@ -96,8 +97,9 @@ class QuotaStopper:
         if self.waiting[slot.group] == 0:
             whole = Group(self.groups[slot.group].prompt, answers)
             self.judged[slot.group] = whole
-            self.kept += bool(self.judge(whole))
-        return self.kept >= self.quota
+            if self.judge(whole):
+                self.kept.add(slot.group)
+        return len(self.kept) >= self.quota
 
 
 @dataclass

@@ -255,7 +255,8 @@ class RolloutSampler:
         with timer.phase("reward"):
             whole = [i for i, g in enumerate(groups) if all(s.finished for s in g.samples)]
             self._score_partial([groups[i] for i in whole], [stopper.judged.get(i) for i in whole])
-        keep = {i for i, kept in zip(whole, self._keep_mask([groups[i] for i in whole])) if kept}
+        unjudged = [i for i in whole if i not in stopper.judged]  # ended in the step that stopped the round
+        keep = stopper.kept | {i for i, kept in zip(unjudged, self._keep_mask([groups[i] for i in unjudged])) if kept}
         keys = [(round_idx, i) for i in range(len(groups))]
         self._local.update(zip(keys, groups))
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
