@@ -3,6 +3,7 @@
 
     python tools/ablation.py [--config examples/smoke_cpu.yaml] [--seeds 0 1 2] [--variants dapo grpo ...]
                              [--target 0.6] [--runs-dir runs/ablation] [--out docs/ablation.md]
+                             [--eval-file examples/data/sums.jsonl --eval-interval 10 --eval-k 16]
 
 Each (variant, seed) is one `dapo-mcore train` process (the variants are the override sets in
 dapo_mcore/config/presets.py; the seed sets rollout.seed and data.seed). A run whose metrics.jsonl already
@@ -11,7 +12,9 @@ between the markers <!-- ablation:begin --> and <!-- ablation:end --> of --out; 
 
 Columns: steps until the 5-step moving average of accuracy first reaches --target; final accuracy and
 response length (mean of the last 5 steps); generated samples per trained sample (the cost of dynamic
-sampling). Each is the mean ± std over seeds.
+sampling). Each is the mean ± std over seeds. With --eval-file, each run also validates on that held-out
+file with its current weights (avg@k at the rollout's temperature and top-p, so no sampler's bookkeeping
+enters it) every --eval-interval steps and after the last; the table adds the mean of the last three.
 """
 
 from __future__ import annotations
@@ -32,9 +35,25 @@ VARIANTS = {**ABLATIONS, **ROLLOUT_VARIANTS}
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 WINDOW = 5
+# Held-out accuracy is the mean of the last evaluations (one alone swings with the last update).
+HELD_OUT_EVALS = 3
 
 
-def run_one(config: str, variant: str, seed: int, runs_dir: Path) -> Path:
+def eval_overrides(config: str, eval_file: str | None, interval: int, k: int) -> list[str]:
+    """Validation on eval_file at the rollout's own sampling settings (the rollout accuracy's conditions)."""
+    if not eval_file:
+        return []
+    sampling = load_config(config).rollout.sampling
+    return [
+        f"data.eval_files={eval_file}",
+        f"trainer.eval_interval={interval}",
+        f"trainer.eval_k={k}",
+        f"trainer.eval_temperature={sampling.temperature}",
+        f"trainer.eval_top_p={sampling.top_p}",
+    ]
+
+
+def run_one(config: str, variant: str, seed: int, runs_dir: Path, extra: list[str]) -> Path:
     run_dir = runs_dir / f"{variant}-s{seed}"
     steps = load_config(config).trainer.steps
     metrics = run_dir / "metrics.jsonl"
@@ -47,6 +66,7 @@ def run_one(config: str, variant: str, seed: int, runs_dir: Path) -> Path:
         "train",
         config,
         *VARIANTS[variant],
+        *extra,
         f"rollout.seed={seed}",
         f"data.seed={seed}",
         f"logging.run_dir={run_dir}",
@@ -73,8 +93,13 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
         if "rollout/accuracy" in r:
             total += r.get("rollout/generated_samples", 0.0)
             cumulative.append(total)
-    trained = sum(r["dynamic_sampling/kept_groups"] * group_size for r in rows)
+    trained = sum(r.get("dynamic_sampling/kept_groups", 0) * group_size for r in rows)
+    held_out = [v for r in rows for k, v in r.items() if k.startswith("eval/") and "/avg@" in k]
+    held_out_steps = [r["step"] for r in rows for k in r if k.startswith("eval/") and "/avg@" in k]
     return {
+        "held_out": held_out,
+        "held_out_steps": held_out_steps,
+        "held_out_accuracy": statistics.mean(held_out[-HELD_OUT_EVALS:]) if held_out else None,
         "steps_to_target": reached,
         "final_accuracy": statistics.mean(acc[-WINDOW:]),
         "final_length": statistics.mean(lengths[-WINDOW:]),
@@ -97,17 +122,22 @@ def mean_std(values: list[float | None], fmt: str) -> str:
 
 
 def table(results: dict[str, list[dict]], target: float) -> str:
+    held_out = any(r["held_out_accuracy"] is not None for runs in results.values() for r in runs)
+    extra_head, extra_rule = (" held-out accuracy, last 3 evals |", "---|") if held_out else ("", "")
     lines = [
-        f"| variant | steps to accuracy {target} | final accuracy | final length | generated / trained |",
-        "|---|---|---|---|---|",
+        f"| variant | steps to accuracy {target} | final accuracy | final length | generated / trained |{extra_head}",
+        f"|---|---|---|---|---|{extra_rule}",
     ]
     for variant, runs in results.items():
-        lines.append(
+        row = (
             f"| {variant} | {mean_std([r['steps_to_target'] for r in runs], '{:.1f}')} | "
             f"{mean_std([r['final_accuracy'] for r in runs], '{:.3f}')} | "
             f"{mean_std([r['final_length'] for r in runs], '{:.1f}')} | "
             f"{mean_std([r['generated_per_trained'] for r in runs], '{:.2f}')} |"
         )
+        if held_out:
+            row += f" {mean_std([r['held_out_accuracy'] for r in runs], '{:.3f}')} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -117,7 +147,8 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    held_out = all(r["held_out"] for runs in results.values() for r in runs)
+    fig, axes = plt.subplots(1, 4 if held_out else 3, figsize=(21 if held_out else 16, 4.2))
     for variant, runs in results.items():
         width = 2 if variant in ("dapo", "grpo") else 1
         steps = min(len(r["accuracy"]) for r in runs)
@@ -127,10 +158,16 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
         generated = [statistics.mean(r["generated"][i] for r in runs) for i in range(steps)]
         accuracy = [statistics.mean(r["accuracy"][i] for r in runs) for i in range(steps)]
         axes[2].plot(generated, accuracy, label=variant, linewidth=width)
+        if held_out:
+            evals = min(len(r["held_out"]) for r in runs)
+            mean = [statistics.mean(r["held_out"][i] for r in runs) for i in range(evals)]
+            axes[3].plot(runs[0]["held_out_steps"][:evals], mean, label=variant, linewidth=width, marker="o")
     axes[0].set_title("accuracy (mean over seeds)")
     axes[1].set_title("mean response length (tokens)")
     axes[2].set_title("accuracy vs samples generated (the same cost)")
-    for ax, xlabel in zip(axes, ("RL step", "RL step", "responses generated so far")):
+    if held_out:
+        axes[3].set_title("held-out accuracy, current weights (mean over seeds)")
+    for ax, xlabel in zip(axes, ("RL step", "RL step", "responses generated so far", "RL step")):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -155,17 +192,23 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.6)
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/ablation"))
     ap.add_argument("--out", type=Path, default=Path("docs/ablation.md"))
+    ap.add_argument("--eval-file", help="held-out .jsonl validated with each run's current weights")
+    ap.add_argument("--eval-interval", type=int, default=10)
+    ap.add_argument("--eval-k", type=int, default=16)
     args = ap.parse_args()
     group_size = load_config(args.config).rollout.n_samples_per_prompt
+    extra = eval_overrides(args.config, args.eval_file, args.eval_interval, args.eval_k)
     results = {
-        v: [summarize(run_one(args.config, v, s, args.runs_dir), args.target, group_size) for s in args.seeds]
+        v: [summarize(run_one(args.config, v, s, args.runs_dir, extra), args.target, group_size) for s in args.seeds]
         for v in args.variants
     }
     png = args.out.with_name(args.out.stem + ".png")
     plot(results, png)
+    eval_args = f" --eval-file {args.eval_file} --eval-interval {args.eval_interval} --eval-k {args.eval_k}"
     section = (
         f"Command: `python tools/ablation.py --config {args.config} --seeds {' '.join(map(str, args.seeds))}"
-        f"{'' if args.variants == list(ABLATIONS) else ' --variants ' + ' '.join(args.variants)}` "
+        f"{'' if args.variants == list(ABLATIONS) else ' --variants ' + ' '.join(args.variants)}"
+        f"{eval_args if extra else ''}` "
         f"on {platform.machine()} ({platform.processor() or 'CPU'}), {time.strftime('%Y-%m-%d')}.\n\n"
         f"{table(results, args.target)}\n\n![accuracy and length by variant]({png.name})"
     )
