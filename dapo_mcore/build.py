@@ -117,10 +117,11 @@ def build_run(cfg: RunConfig) -> Run:
         par.pipeline_model_parallel_size,
         par.virtual_pipeline_model_parallel_size,
     )
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
     model_config = load_hf_config(cfg.model.hf_path)
     spec = read_model_spec(model_config)
-    check_model_layout(spec, tp, pp, vpp)  # before any process group or allocation
-    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp)
+    check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation
+    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     ctx = init_parallel(
@@ -131,6 +132,8 @@ def build_run(cfg: RunConfig) -> Run:
         cfg.trainer.seed,
         vpp,
         wait_timeout_minutes=par.generation_timeout_minutes,
+        ep=ep,
+        etp=etp,
     )
     lock = None
     try:
@@ -245,12 +248,16 @@ def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) ->
         fp8_first_last_layers_bf16=cfg.model.fp8_first_last_layers_bf16,
         recompute=cfg.model.recompute,
         recompute_num_layers=cfg.model.recompute_num_layers,
+        ep=ctx.ep_size,
+        etp=ctx.etp_size,
+        moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+        moe_dispatcher=cfg.model.moe_token_dispatcher,
     )
     torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
     chunks = build_gpt_chunks(spec, tconfig, ctx=ctx, use_te=use_te)
     family = LlamaFamilyMap(spec, te_layer_names=use_te)
     if cfg.model.init == "hf":  # conversion on the fly: HF tensors mapped into this rank's shards
-        load_hf_weights(chunks, cfg.model.hf_path, family, ctx.tp_rank, ctx.tp_size)
+        load_hf_weights(chunks, cfg.model.hf_path, family, ctx.tp_rank, ctx.tp_size, ctx.etp_rank, ctx.etp_size)
     elif cfg.model.init == "mcore":
         load_model_weights(chunks, Path(cfg.model.mcore_path), spec)
     return chunks, family
@@ -416,6 +423,12 @@ def build_sampler(
 ) -> RolloutSampler:
     filter_spec = cfg.algorithm.dynamic_sampling.filter
     keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
+    if cfg.rollout.partial_rollout and cfg.algorithm.mismatch.tis == "none" and ctx.rank == 0:
+        log.warning(
+            "rollout.partial_rollout without algorithm.mismatch.tis: the tokens of older weights train "
+            "uncorrected (on the demo that cost held-out accuracy: docs/partial_rollout.md); add "
+            "algorithm.mismatch.tis=token"
+        )
     return RolloutSampler(
         engine,
         prompts.formatter,

@@ -173,12 +173,12 @@ class PreflightError(DapoError):
     same_on_every_rank = False  # a missing mount or GPU may be one node's alone
 
 
-def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int) -> None:
+def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int, ep: int = 1, etp: int = 0) -> None:
     """Before the process group: the layout divides the tasks and this task has its GPU (the same verdict on
     every task of a node, so no task waits for one that stopped)."""
     from dapo_mcore.parallel import check_layout  # here: the CLI imports this module before torch is needed
 
-    check_layout(world_size, tp, pp, vpp)
+    check_layout(world_size, tp, pp, vpp, ep, etp)
     if device == "cpu":
         return
     import torch

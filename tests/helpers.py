@@ -22,8 +22,14 @@ LLAMA3_ROPE = {
 }
 
 
+# The tiny Qwen3-MoE: 4 experts of width 32, top-2 renormalised (as Qwen3-30B-A3B), layer 1 dense.
+MOE_FIELDS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]
+)
+
+
 def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB,
@@ -51,6 +57,8 @@ def tiny_hf_config(family: str, tie: bool = False, layers: int = 2):
         return Qwen2Config(**common)
     if family == "qwen3":
         return Qwen3Config(head_dim=16, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=16, **MOE_FIELDS, **common)
     raise ValueError(family)
 
 

@@ -15,6 +15,8 @@ eight runs on with 12..40 filler words (60-200 tokens) instead of 0..5, as the l
 
     python tools/make_tiny_model.py --out examples/models/tiny-arith-longtail --long-tail 0.125:12:40 \
         --max-positions 256 --steps 1000 --eval-every 250
+The mixture-of-experts variant (a Qwen3-MoE: Qwen3 attention, 8 experts of width 64, top-2, renormalised):
+    python tools/make_tiny_model.py --out examples/models/tiny-arith-moe --moe 8:2:64 --steps 2000
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def sft_text(
     return prompt + FILLER * fillers + f"{label}: {answer}"
 
 
-def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokenizer, max_positions: int = 128):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(
+    vocab_size: int, hidden: int, layers: int, head_dim: int, tokenizer, max_positions: int = 128, moe: str = ""
+):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = LlamaConfig(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -64,7 +68,18 @@ def build_model(vocab_size: int, hidden: int, layers: int, head_dim: int, tokeni
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return LlamaForCausalLM(config)
+    if not moe:
+        return LlamaForCausalLM(LlamaConfig(**common))
+    experts, topk, expert_ffn = (int(x) for x in moe.split(":"))
+    config = Qwen3MoeConfig(
+        num_experts=experts,
+        num_experts_per_tok=topk,
+        moe_intermediate_size=expert_ffn,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B
+        router_aux_loss_coef=0.001,
+        **common,
+    )
+    return Qwen3MoeForCausalLM(config)
 
 
 def batch_tensors(texts: list[str], prompts: list[str], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +122,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--long-tail", default="", help="P:LO:HI: with probability P, LO..HI filler words")
     ap.add_argument("--max-positions", type=int, default=128)
+    ap.add_argument("--moe", default="", help="EXPERTS:TOPK:FFN: a Qwen3-MoE with that many experts of that width")
     args = ap.parse_args()
     long_tail = None
     if args.long_tail:
@@ -122,7 +138,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     task = ArithmeticTask(0, args.max_operand, "+")
-    model = build_model(len(tokenizer), args.hidden, args.layers, args.head_dim, tokenizer, args.max_positions)
+    model = build_model(
+        len(tokenizer), args.hidden, args.layers, args.head_dim, tokenizer, args.max_positions, args.moe
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=args.lr, total_steps=args.steps, pct_start=0.05)
     start = time.time()
@@ -130,7 +148,9 @@ def main() -> None:
         problems = [task[rng.randrange(len(task))] for _ in range(args.batch)]
         texts = [sft_text(p.text, p.answer, rng, args.p_answer_format, args.max_filler, long_tail) for p in problems]
         ids, labels = batch_tensors(texts, [p.text for p in problems], tokenizer)
-        loss = model(input_ids=ids, labels=labels).loss
+        # a MoE's load-balancing loss joins the SFT loss (its experts would otherwise collapse onto a few)
+        extra = {"output_router_logits": True} if args.moe else {}
+        loss = model(input_ids=ids, labels=labels, **extra).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()

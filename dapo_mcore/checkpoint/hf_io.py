@@ -77,15 +77,25 @@ def _readable(path: Path) -> Iterator[None]:
 
 @torch.no_grad()
 def load_hf_weights(
-    model_chunks: list[torch.nn.Module], hf_dir: str | Path, family: LlamaFamilyMap, tp_rank: int, tp_size: int
+    model_chunks: list[torch.nn.Module],
+    hf_dir: str | Path,
+    family: LlamaFamilyMap,
+    tp_rank: int,
+    tp_size: int,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> None:
-    """Copy the HF checkpoint's weights into this rank's Megatron shards, one parameter at a time."""
+    """Copy the HF checkpoint's weights into this rank's Megatron shards, one parameter at a time (only the
+    experts this rank holds; an expert's weights split over the expert TP ranks, by default the TP ones)."""
     reader = SafetensorsReader(hf_dir)
     padded = padded_vocab_size(family.spec.vocab_size, tp_size)
+    expert_tp = (tp_rank if etp_rank is None else etp_rank, tp_size if etp_size is None else etp_size)
     for chunk in model_chunks:
         for name, param in global_named_parameters(chunk):
             full = family.hf_to_mcore(name, [reader.get(n) for n in family.hf_sources(name)])
-            local = shard_of(full, tp_split_of(name, param), tp_rank, tp_size, padded)
+            split = tp_split_of(name, param)
+            rank, size = expert_tp if split.expert else (tp_rank, tp_size)
+            local = shard_of(full, split, rank, size, padded)
             if local.shape != param.shape:
                 raise CheckpointError(
                     f"{hf_dir}: '{name}' gives a shard of shape {tuple(local.shape)}, the model "

@@ -2,8 +2,10 @@
 models from it, the converters and checkpoints record it, the planner (dapo_mcore.plan, no torch) sizes it.
 
 Supported families: Llama-style decoders (RMSNorm, SwiGLU, RoPE, GQA, tied or untied embeddings), i.e.
-model_type llama, qwen2 (QKV bias) and qwen3 (QK norm). A field whose value cannot be honoured is an error
-naming the field, never a silently different model (REFERENCE.md section 4, complaint 9).
+model_type llama, qwen2 (QKV bias) and qwen3 (QK norm), and the mixture-of-experts qwen3_moe (Qwen3's
+attention; in its sparse layers a softmax top-k router over SwiGLU experts, no shared expert). A field whose
+value cannot be honoured is an error naming the field, never a silently different model (REFERENCE.md
+section 4, complaint 9).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 
 from dapo_mcore.utils.errors import ConfigError
 
-_FAMILIES = ("llama", "qwen2", "qwen3")
+_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Mixture-of-experts families whose layers differ from qwen3_moe's: named so the refusal can say why.
+_UNSUPPORTED_MOE = {
+    "qwen2_moe": "its shared expert with a sigmoid gate",
+    "mixtral": "its sliding-window attention and per-family names",
+    "deepseek_v3": "multi-latent attention and grouped routing",
+    "glm4_moe": "its shared experts and sigmoid routing with a score bias",
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,24 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     init_std: float
+    # Mixture of experts (0 experts: a dense model). moe_layers[i]: layer i is sparse (the others use the
+    # dense ffn_hidden_size MLP); the router picks moe_topk of num_experts per token, its weights a softmax
+    # over all experts, renormalised over the picked ones when moe_norm_topk_prob.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+    # The model's own load-balancing loss coefficient (config.json router_aux_loss_coef).
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
 
 
 def load_hf_config(hf_path: str | Path) -> dict[str, Any]:
@@ -69,6 +96,11 @@ def read_model_spec(hf: dict[str, Any]) -> ModelSpec:
 
 def _read_model_spec(hf: dict[str, Any]) -> ModelSpec:
     model_type = hf.get("model_type")
+    if model_type in _UNSUPPORTED_MOE:
+        raise ConfigError(
+            f"config.json model_type={model_type!r} is not supported: {_UNSUPPORTED_MOE[model_type]} "
+            f"(supported mixture-of-experts family: qwen3_moe)"
+        )
     if model_type not in _FAMILIES:
         raise ConfigError(f"config.json model_type={model_type!r} is not supported (supported: {list(_FAMILIES)})")
     _expect(hf, "hidden_act", "silu")
@@ -94,9 +126,38 @@ def _read_model_spec(hf: dict[str, Any]) -> ModelSpec:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling_factor=_rope_scaling_factor(hf),
         qkv_bias=model_type == "qwen2" or attention_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         init_std=hf.get("initializer_range", 0.02),
+        **(_moe_fields(hf) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's experts and router. Layer i is sparse unless listed in mlp_only_layers, and only every
+    decoder_sparse_step-th layer (counting from 1) is (transformers' Qwen3MoeDecoderLayer)."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the latter
+    if not num_experts:
+        raise ConfigError("config.json model_type='qwen3_moe' has no num_experts")
+    topk = hf["num_experts_per_tok"]
+    if not 1 <= topk <= num_experts:
+        raise ConfigError(f"config.json num_experts_per_tok={topk} must be between 1 and num_experts={num_experts}")
+    step = hf.get("decoder_sparse_step", 1)
+    if step < 1:
+        raise ConfigError(f"config.json decoder_sparse_step={step} must be >= 1")
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    layers = hf["num_hidden_layers"]
+    if dense_only - set(range(layers)):
+        raise ConfigError(
+            f"config.json mlp_only_layers={sorted(dense_only)} names layers beyond num_hidden_layers={layers}"
+        )
+    return {
+        "num_experts": num_experts,
+        "moe_topk": topk,
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "moe_layers": tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers)),
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0)),
+    }
 
 
 # Megatron-Core applies Llama 3 RoPE scaling with a configurable factor and these fixed parameters (the

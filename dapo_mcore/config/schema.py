@@ -47,6 +47,13 @@ class ModelConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     # With recompute=full: layers per recomputed group (Megatron's uniform method).
     recompute_num_layers: int = 1
+    # Mixture-of-experts models (config.json model_type qwen3_moe): the load-balancing loss coefficient
+    # (Megatron's per-layer aux loss); negative: the model's own (config.json router_aux_loss_coef, 0.001 for
+    # Qwen3-MoE); 0 turns it off.
+    moe_aux_loss_coeff: float = -1.0
+    # How tokens reach their experts' ranks: "alltoall" (Megatron's choice with expert parallelism) or
+    # "allgather".
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
 
 
 @dataclass
@@ -57,6 +64,11 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int = 1
     # Split activations outside the TP regions along the sequence (needs TP > 1).
     sequence_parallel: bool = False
+    # Mixture-of-experts models: experts split over this many ranks (expert parallelism, EP); the other
+    # layers keep TP x PP x DP. EP x expert TP x PP must divide the world size, EP the number of experts.
+    expert_model_parallel_size: int = 1
+    # Tensor parallelism inside each expert; 0: the same as tensor_model_parallel_size (Megatron's default).
+    expert_tensor_parallel_size: int = 0
     # Megatron's distributed optimizer shards optimizer state over data-parallel ranks.
     use_distributed_optimizer: bool = True
     # "auto": CUDA with NCCL when a GPU is visible, else the CPU mode (gloo, fp32 only).
@@ -99,8 +111,9 @@ class RolloutConfig:
     # round stops as soon as the step has its kept groups instead of waiting for its longest answer; the
     # unfinished answers wait and are continued first at the next step, by the new weights (each token tagged
     # with the weights that generated it; algorithm.mismatch corrects against the engine's log-probs).
-    # Off by default: 1.7-2.3x the kept groups/s on a long-tail workload, but the demo learned less with it
-    # (docs/partial_rollout.md); with it, algorithm.mismatch.tis=token recovers most of the gap.
+    # Use it with algorithm.mismatch.tis=token: so the demo's held-out accuracy is the synchronous sampler's,
+    # without TIS it is lower (docs/partial_rollout.md); 1.7-2.3x the kept groups/s on a long-tail workload.
+    # Off by default until it has run on a GPU engine (every figure so far is from the CPU).
     partial_rollout: bool = False
     # With partial rollout, prompts per round = gen_prompts_per_round x this: more answers in flight, so the
     # round can stop sooner.

@@ -52,6 +52,7 @@ from dapo_mcore.mcore.fused_logprobs import (
     output_weight,
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
+from dapo_mcore.mcore.moe import RouterMetrics
 from dapo_mcore.mcore.provider import padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
@@ -298,6 +299,7 @@ class MegatronActor(PolicyRunner):
     ):
         super().__init__(ctx, spec, chunks, settings)
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.router_metrics = RouterMetrics(ctx, spec, chunks) if spec.is_moe else None
 
     def offload_for_rollout(self) -> None:
         """While the engine generates: free the DDP gradient buffers (Megatron-Core's offload_grad_buffers; they
@@ -358,6 +360,13 @@ class MegatronActor(PolicyRunner):
 
     def train_step(self, batches: StepBatches) -> dict[str, float]:
         """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
+        if self.router_metrics is None:
+            return self._train_step(batches)
+        with self.router_metrics.collecting():
+            metrics = self._train_step(batches)
+        return {**metrics, **self.router_metrics.metrics()}
+
+    def _train_step(self, batches: StepBatches) -> dict[str, float]:
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for micro in batches.mini_batches:

@@ -20,14 +20,31 @@ log = get_logger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1) -> None:
+def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp: int = 0) -> None:
     """Refuse a layout the model cannot be split into, before anything is allocated."""
-    for what, count, size, key in (
+    if not spec.is_moe and (ep > 1 or etp):
+        raise LayoutError(
+            f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp}: the model "
+            f"({spec.model_type}) has no experts; leave them at 1 and 0"
+        )
+    checks = [
         ("attention heads", spec.num_heads, tp, "tensor_model_parallel_size"),
         ("key/value heads", spec.num_kv_heads, tp, "tensor_model_parallel_size"),
         ("FFN width", spec.ffn_hidden_size, tp, "tensor_model_parallel_size"),
         ("layers", spec.num_layers, pp * vpp, "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"),
-    ):
+    ]
+    if spec.is_moe and ep == 1 and etp and etp != tp:
+        raise LayoutError(
+            f"parallel.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}, which needs "
+            "expert_model_parallel_size > 1: at EP=1 Megatron-Core 0.16 treats the experts as dense parameters "
+            "and would not sum their gradients over the ranks that share them"
+        )
+    if spec.is_moe:
+        checks += [
+            ("experts", spec.num_experts, ep, "expert_model_parallel_size"),
+            ("expert FFN width", spec.moe_ffn_hidden_size, etp or tp, "expert_tensor_parallel_size"),
+        ]
+    for what, count, size, key in checks:
         if count % size:
             raise LayoutError(f"the model's {count} {what} do not split over parallel.{key}={size}")
 
@@ -53,11 +70,26 @@ def build_transformer_config(
     fp8_first_last_layers_bf16: bool = False,
     recompute: str = "none",
     recompute_num_layers: int = 1,
+    ep: int = 1,
+    etp: int = 0,
+    moe_aux_loss_coeff: float = -1.0,
+    moe_dispatcher: str = "alltoall",
 ) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     if on_cpu and dtype != "float32":
         raise ConfigError(f"model.dtype={dtype} needs a GPU; the CPU mode runs float32 (model.dtype=float32)")
+    if spec.is_moe and tp > 1 and not sequence_parallel:
+        raise ConfigError(
+            f"a mixture-of-experts model at parallel.tensor_model_parallel_size={tp} needs "
+            "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses to train TP without it)"
+        )
+    if spec.is_moe and on_cpu and moe_dispatcher == "alltoall" and (etp or tp) > 1:
+        raise ConfigError(
+            f"model.moe_token_dispatcher=alltoall with an expert TP of {etp or tp} does not run on the CPU (its "
+            "all-gather of uneven token counts is NCCL's alone, gloo refuses it): use "
+            "parallel.expert_tensor_parallel_size=1 or model.moe_token_dispatcher=allgather there"
+        )
     torch_dtype = _DTYPES[dtype]
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -94,6 +126,7 @@ def build_transformer_config(
         use_cpu_initialization=on_cpu,
         **_precision_kwargs(fp8, fp8_recipe, fp8_first_last_layers_bf16, use_te),
         **_recompute_kwargs(recompute, recompute_num_layers),
+        **_moe_kwargs(spec, ep, etp or tp, moe_aux_loss_coeff, moe_dispatcher, use_te, tp if sequence_parallel else 1),
         # gloo matches point-to-point messages by peer and order; the interleaved (VPP) 1F1B schedule's
         # batched isend/irecv then pairs activations with gradients of the same shape (wrong results from
         # the third micro-batch on, seen with PP=2 x VPP=2). Unbatched p2p keeps a fixed order.
@@ -117,6 +150,52 @@ def _precision_kwargs(fp8: str, recipe: str, first_last_bf16: bool, use_te: bool
         )
     extra = {"num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1} if first_last_bf16 else {}
     return {"fp8": fp8, "fp8_recipe": recipe, "first_last_layers_bf16": first_last_bf16, **extra}
+
+
+def _moe_kwargs(
+    spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float, dispatcher: str, use_te: bool, sp_ranks: int
+) -> dict:
+    """Megatron-Core's MoE layer as Qwen3-MoE's sparse block computes it (transformers'
+    Qwen3MoeSparseMoeBlock): a bias-free fp32 router, softmax over all experts and the top-k of it; with
+    norm_topk_prob the picked weights are renormalised, which is a softmax over the top-k logits alone
+    (Megatron's pre_softmax=False), without it they stay the full softmax's (pre_softmax=True). Dropless
+    (no capacity factor), no shared expert.
+
+    sp_ranks: the TP ranks a sequence is split over (sequence parallelism). With calculate_per_token_loss,
+    Megatron scales each rank's share of the load-balancing loss by that rank's token count
+    (router.attach_and_log_load_balancing_loss), which gives the aux loss's gradient 1/sp_ranks of its
+    weight at TP=1 (measured: exactly 0.5 at TP=2, tests/dist/test_moe_parallel.py); the coefficient is
+    multiplied back so that the loss is the same at every layout."""
+    if not spec.is_moe:
+        return {}
+    coeff = spec.router_aux_loss_coef if aux_loss_coeff < 0 else aux_loss_coeff
+    coeff *= sp_ranks
+    _megatron_moe_without_te()
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_topk": spec.moe_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
+        "moe_aux_loss_coeff": coeff,
+        "moe_layer_freq": [int(sparse) for sparse in spec.moe_layers],
+        "moe_token_dispatcher_type": dispatcher,
+        "moe_grouped_gemm": use_te,  # TE's grouped GEMM on a GPU; one MLP per expert in the local spec
+        "moe_permute_fusion": use_te,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+    }
+
+
+def _megatron_moe_without_te() -> None:
+    """Megatron-Core 0.16's router tests `te_general_gemm is not None`, a name it only defines when Transformer
+    Engine imports (moe_utils.py): without TE every MoE forward raised NameError. Define it as absent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _recompute_kwargs(recompute: str, num_layers: int) -> dict[str, Any]:
@@ -164,51 +243,72 @@ def resolve_transformer_impl(choice: str, on_cpu: bool, fp8: str = "none") -> bo
     return False
 
 
-def _sequence_parallel_local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -> Any:
-    """The local spec's block with SP-capable norms (Megatron's torch norm refuses sequence parallelism)."""
+def _layer_specs(spec: ModelSpec, config: Any, use_te: bool) -> list[Any]:
+    """One layer spec per global layer: dense layers, and MoE layers where spec.moe_layers says so."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if spec.is_moe:
+        return get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te)
+    if use_te:
+        return [get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)] * spec.num_layers
+    return [get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)] * spec.num_layers
+
+
+def _chunk_layer_specs(layer_specs: list[Any], config: Any, ctx: Any, chunk: int) -> list[Any]:
+    """The layer specs of one model chunk of this rank (Megatron's own offset for its pipeline stage)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vp_stage = chunk if ctx.vpp_size > 1 else None
+    per_chunk = len(layer_specs) // (ctx.pp_size * ctx.vpp_size)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=ctx.pp_rank)
+    return layer_specs[offset : offset + per_chunk]
+
+
+def _local_block(layer_specs: list[Any], sequence_parallel: bool) -> Any:
+    """The local spec's block with a local final norm. Given a layer spec alone, Megatron builds the block's
+    final norm from Transformer Engine whenever TE imports (its LayerNormImpl), local spec or not: a CPU-mode
+    run on a machine with TE installed then failed in that norm (seen on an H100 machine). With sequence
+    parallelism, SP-capable norms (Megatron's torch norm refuses sequence parallelism)."""
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from dapo_mcore.mcore.norms import SequenceParallelRMSNorm, with_sequence_parallel_norms
 
-    layers_per_chunk = spec.num_layers // (ctx.pp_size * ctx.vpp_size)
+    if not sequence_parallel:
+        return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LNImpl)
     return TransformerBlockSubmodules(
-        layer_specs=[with_sequence_parallel_norms(layer_spec, LNImpl)] * layers_per_chunk,
+        layer_specs=[with_sequence_parallel_norms(layer, LNImpl) for layer in layer_specs],
         layer_norm=SequenceParallelRMSNorm,
     )
 
 
-def _local_block(spec: ModelSpec, layer_spec: Any, ctx: Any) -> Any:
-    """The local spec's block with a local final norm. Given a layer spec alone, Megatron builds the block's
-    final norm from Transformer Engine whenever TE imports (its LayerNormImpl), local spec or not: a CPU-mode
-    run on a machine with TE installed then failed in that norm (seen on an H100 machine)."""
-    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+def _te_norm() -> Any:
+    from megatron.core.extensions.transformer_engine import TENorm
 
-    layers_per_chunk = spec.num_layers // (ctx.pp_size * ctx.vpp_size)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers_per_chunk, layer_norm=LNImpl)
+    return TENorm
 
 
 def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) -> list[Any]:
     """The model chunks this rank holds: one per virtual pipeline stage (one without VPP)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    if use_te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)
-        if config.sequence_parallel:
-            layer_spec = _sequence_parallel_local_block(spec, layer_spec, ctx)
-        else:
-            layer_spec = _local_block(spec, layer_spec, ctx)
+    layer_specs = _layer_specs(spec, config, use_te)
+
+    def block(chunk: int) -> Any:
+        mine = _chunk_layer_specs(layer_specs, config, ctx, chunk)
+        if use_te:
+            return TransformerBlockSubmodules(layer_specs=mine, layer_norm=_te_norm())
+        return _local_block(mine, config.sequence_parallel)
+
     chunks = [
         GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=block(chunk),
             vocab_size=padded_vocab_size(spec.vocab_size, ctx.tp_size),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ctx.chunk_has_embedding(chunk),

@@ -3,8 +3,9 @@
 Megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`. Two layouts need care:
 - the vocab (embedding, output layer) is padded to `padded_vocab` rows before splitting;
 - the SwiGLU fc1 weight holds [gate; up], and each TP shard holds [gate_shard; up_shard].
-Global names use the layer's global index (`TransformerLayer.layer_number - 1`), so a name means the same
-parameter at every pipeline layout.
+Global names use the layer's global index (`TransformerLayer.layer_number - 1`) and, in mixture-of-experts
+layers, the expert's global index (`MoELayer.local_expert_indices`), so a name means the same parameter at
+every pipeline and expert-parallel layout. Expert weights are split over the expert TP group, not TP.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+# An expert's parameters: SequentialMLP's `local_experts.<j>.` (local spec) or TEGroupedMLP's `weight<j>`.
+_LOCAL_EXPERT_RE = re.compile(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|(linear_fc[12]\.weight)(\d+)$)")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -25,12 +28,18 @@ class TPSplit:
     dim: int | None  # None: replicated over TP ranks
     swiglu: bool = False  # fc1 of a gated MLP: [gate; up], each split separately
     vocab: bool = False  # rows padded to the padded vocab size
+    expert: bool = False  # an expert's weight: split over the expert TP group
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
 
 
 def tp_split_of(name: str, param: torch.Tensor) -> TPSplit:
     if not getattr(param, "tensor_model_parallel", False):
         return TPSplit(dim=None)
-    return TPSplit(dim=param.partition_dim, swiglu=name.endswith("mlp.linear_fc1.weight"), vocab=name in _VOCAB_PARAMS)
+    swiglu = re.search(r"mlp\.(experts\.(local_experts\.\d+\.)?)?linear_fc1\.weight\d*$", name) is not None
+    return TPSplit(dim=param.partition_dim, swiglu=swiglu, vocab=name in _VOCAB_PARAMS, expert=is_expert_param(name))
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -47,9 +56,22 @@ def global_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
     for name, param in model.named_parameters():
         match = _LAYER_RE.match(name)
         if match:
-            global_index = layers[int(match.group(1))].layer_number - 1
-            name = f"decoder.layers.{global_index}.{name[match.end() :]}"
+            layer = layers[int(match.group(1))]
+            name = f"decoder.layers.{layer.layer_number - 1}.{name[match.end() :]}"
+            name = _global_expert_name(name, layer)
         yield name, param
+
+
+def _global_expert_name(name: str, layer: torch.nn.Module) -> str:
+    """An expert parameter's name with its global expert index in place of the local one."""
+    match = _LOCAL_EXPERT_RE.search(name)
+    if not match:
+        return name
+    if match.group(1) is not None:  # local_experts.<j>.
+        expert = layer.mlp.local_expert_indices[int(match.group(1))]
+        return f"{name[: match.start(1)]}{expert}{name[match.end(1) :]}"
+    expert = layer.mlp.local_expert_indices[int(match.group(3))]
+    return f"{name[: match.start(3)]}{expert}"
 
 
 def shard_of(full: torch.Tensor, split: TPSplit, tp_rank: int, tp_size: int, padded_vocab: int) -> torch.Tensor:

@@ -16,6 +16,10 @@ here, and only when `activate()` is called (never on a GPU run):
                                              wrappers and clip_grads.py compare against
   6. the "CUDA" RNG state that activation recompute saves and replays (tensor_parallel.random) -> the
      CPU generator's state
+  7. torch.cuda.Stream / stream() / current_stream() -> one host "stream" whose waits and events are no-ops
+     (the MoE all-to-all dispatcher copies its split sizes to the host on a side stream)
+  8. that dispatcher's device-to-host copy of the split sizes -> numpy arrays from the CPU tensors (it only
+     converts CUDA tensors, and torch's all_to_all takes the split sizes as a list, not a tensor)
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def activate() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
     _install_cpu_rng_tracker()
+    _install_host_streams()
+    _install_host_split_sizes()
     _ACTIVE = _CudaToCpuDeviceMode()
     _ACTIVE.__enter__()
     _reenter_in_custom_backward()
@@ -119,3 +125,50 @@ def _install_cpu_rng_tracker() -> None:
     # Recompute (CheckpointFunction) snapshots the device RNG to replay dropout in backward.
     mpu_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mpu_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+
+class _HostStream:
+    """Every CUDA stream call the MoE dispatcher makes, as no-ops: on the CPU all work is in order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _install_host_streams() -> None:
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _install_host_split_sizes() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host

@@ -36,7 +36,7 @@ class ParallelContext:
     vpp_size: int
     dp_rank: int
     dp_size: int
-    # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ...).
+    # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ep, expt_tp, expt_dp, ...).
     pg: Any
     # Global rank of each pipeline stage of this rank's pipeline, first to last.
     pp_global_ranks: list[int]
@@ -44,6 +44,12 @@ class ParallelContext:
     # after generating, a fast replica waits for the slowest one's long answers longer than any collective of
     # the default group may wait. Only small objects cross it.
     wait_group: Any = None
+    # Expert parallelism (mixture-of-experts models): the experts are split over ep_size ranks, each expert's
+    # MLP over etp_size ranks (expert TP); 1 and 1 for dense models.
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -66,19 +72,30 @@ class ParallelContext:
         return self.device.type == "cpu"
 
     def describe(self) -> str:
+        experts = ""
+        if self.ep_size > 1 or self.etp_size != self.tp_size:
+            experts = f"; experts: EP {self.ep_size} x expert TP {self.etp_size}"
         return (
-            f"world={self.world_size} = TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size} "
+            f"world={self.world_size} = TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size}{experts} "
             f"on {self.device.type} ({'gloo' if self.is_cpu else 'nccl'})"
         )
 
 
-def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1) -> int:
-    """The data-parallel size of a layout, or a LayoutError that says what does not divide."""
+def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp: int = 0) -> int:
+    """The data-parallel size of a layout, or a LayoutError that says what does not divide. The experts
+    (ep > 1 or an expert TP etp; 0: the same as tp) take the same ranks in another split, EP x expert TP x PP
+    x expert DP, which must divide the world as well (Megatron-Core's MoE parallel folding)."""
     if vpp > 1 and pp < 2:
         raise LayoutError(
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2"
         )
-    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    etp = etp or tp
+    for name, size in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+    ):
         if size < 1:
             raise LayoutError(f"parallel.{name} must be >= 1, got {size}")
     if world_size % (tp * pp):
@@ -86,6 +103,11 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1) -> int:
             f"parallel layout TP={tp} x PP={pp} = {tp * pp} ranks does not divide the world size {world_size}; "
             f"launch a multiple of {tp * pp} processes or change parallel.tensor_model_parallel_size / "
             f"parallel.pipeline_model_parallel_size"
+        )
+    if world_size % (ep * etp * pp):
+        raise LayoutError(
+            f"expert layout EP={ep} x expert TP={etp} x PP={pp} = {ep * etp * pp} ranks does not divide the world "
+            f"size {world_size}; change parallel.expert_model_parallel_size / parallel.expert_tensor_parallel_size"
         )
     return world_size // (tp * pp)
 
@@ -124,13 +146,16 @@ def init_parallel(
     seed: int = 0,
     vpp: int = 1,
     wait_timeout_minutes: float = 240,
+    ep: int = 1,
+    etp: int = 0,
 ) -> ParallelContext:
     """Start torch.distributed (torchrun's env, or a one-process group), Megatron's model parallel groups and
-    the wait group (ParallelContext.wait_group)."""
+    the wait group (ParallelContext.wait_group). ep / etp: expert parallel and expert tensor parallel sizes
+    (etp 0: the same as tp)."""
     device = resolve_device(device_preference)
     _quiet_benign_warnings(device.type == "cpu")
     _ensure_process_group(device, timeout_minutes)
-    dp = check_layout(dist.get_world_size(), tp, pp, vpp)
+    dp = check_layout(dist.get_world_size(), tp, pp, vpp, ep, etp)
     if device.type == "cpu":
         cpu_mode.activate()
     else:
@@ -144,6 +169,8 @@ def init_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp or tp,
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -161,6 +188,10 @@ def init_parallel(
         pg=ProcessGroupCollection.use_mpu_process_groups(),
         pp_global_ranks=list(dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())),
         wait_group=dist.new_group(backend="gloo", timeout=timedelta(minutes=wait_timeout_minutes)),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep_size=ep,
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        etp_size=etp or tp,
     )
     log.info("parallel layout: %s", ctx.describe())
     return ctx

@@ -36,7 +36,7 @@ class HFEngine:
         self.max_batch_rows = max_batch_rows
         # Every end-of-sequence id the model declares; the tokenizer's alone when not given.
         self.stop_ids = stop_ids or [tokenizer.eos_token_id]
-        self._params = dict(self.model.named_parameters())
+        self._params = checkpoint_named_views(self.model)
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
 
     @classmethod
@@ -130,6 +130,28 @@ class HFEngine:
     def shutdown(self) -> None:
         self.model = None
         self._params = {}
+
+
+def checkpoint_named_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by their checkpoint (hub) names, as views into the parameters. transformers 5
+    keeps a MoE layer's experts fused, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, as its forward
+    chunks them) and `mlp.experts.down_proj` [E, H, I], and maps the per-expert checkpoint names onto them
+    when loading; the weights pushed to the engine carry the checkpoint names."""
+    views: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, half = name.removesuffix("gate_up_proj"), data.shape[1] // 2
+            for e in range(data.shape[0]):
+                views[f"{prefix}{e}.gate_proj.weight"] = data[e, :half]
+                views[f"{prefix}{e}.up_proj.weight"] = data[e, half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e in range(data.shape[0]):
+                views[f"{prefix}{e}.down_proj.weight"] = data[e]
+        else:
+            views[name] = data
+    return views
 
 
 def _decoding(params: SamplingParams) -> dict:

@@ -4,18 +4,20 @@ Every rank hosts an engine replica, so every rank needs the full HF-named weight
 stage order: the stage's ranks all-gather each tensor over TP, pack the full tensors into buckets of about
 `bucket_bytes`, and broadcast each bucket from that stage to the other stages of the pipeline. Every rank
 runs the same collectives in the same order, so no rank can wait on a collective another never enters.
+With expert parallelism a stage's experts are spread over its EP ranks: each expert bucket is gathered over
+the expert TP group on the EP rank that holds it and broadcast over the EP group first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
-from dapo_mcore.mcore.sharding import gather_full, global_named_parameters, tp_split_of
+from dapo_mcore.mcore.sharding import gather_full, global_named_parameters, is_expert_param, tp_split_of
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
 from dapo_mcore.rollout.base import RolloutEngine
 from dapo_mcore.weight_sync.verify import checksums, verified
@@ -26,6 +28,8 @@ class _Entry:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # The EP rank holding this expert parameter; None: not an expert's (every EP rank holds it).
+    ep_owner: int | None = None
 
     @property
     def numel(self) -> int:
@@ -41,9 +45,18 @@ class WeightExporter:
             (n, p) for chunk in chunks for n, p in global_named_parameters(chunk) if not self._is_tied_copy(n)
         ]
         self._params = dict(self._local)
-        mine = [_Entry(n, self._full_shape(n, p), p.dtype) for n, p in self._local]
+        mine = self._stage_entries()
         # The same ordered list of every stage's entries on every rank.
         self._stages: list[list[_Entry]] = all_gather_objects(mine, group=ctx.pg.pp) if ctx.pp_size > 1 else [mine]
+
+    def _stage_entries(self) -> list[_Entry]:
+        """This stage's entries: the shared parameters, then every EP rank's experts in EP rank order."""
+        owner = self.ctx.ep_rank if self.ctx.ep_size > 1 else None
+        shared = [_Entry(n, self._full_shape(n, p), p.dtype) for n, p in self._local if not is_expert_param(n)]
+        experts = [_Entry(n, self._full_shape(n, p), p.dtype, owner) for n, p in self._local if is_expert_param(n)]
+        if self.ctx.ep_size > 1:
+            experts = [e for rank_entries in all_gather_objects(experts, group=self.ctx.pg.ep) for e in rank_entries]
+        return shared + experts
 
     def hf_weights(self, grads: bool = False, verify: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) for the whole model, on every rank. With grads=True, the gradients
@@ -89,7 +102,7 @@ class WeightExporter:
         split = tp_split_of(name, param)
         shape = list(param.shape)
         if split.dim is not None:
-            shape[split.dim] *= self.ctx.tp_size
+            shape[split.dim] *= self.ctx.etp_size if split.expert else self.ctx.tp_size
         if split.vocab:
             shape[0] = self.family.spec.vocab_size
         return tuple(shape)
@@ -98,9 +111,9 @@ class WeightExporter:
         bucket, size = [], 0
         for entry in entries:
             if grads:  # main_grad buffers are fp32 whatever the parameter dtype
-                entry = _Entry(entry.name, entry.shape, torch.float32)
+                entry = replace(entry, dtype=torch.float32)
             nbytes = entry.numel * entry.dtype.itemsize
-            if bucket and size + nbytes > self.bucket_bytes:
+            if bucket and (size + nbytes > self.bucket_bytes or entry.ep_owner != bucket[-1].ep_owner):
                 yield bucket
                 bucket, size = [], 0
             bucket.append(entry)
@@ -110,17 +123,31 @@ class WeightExporter:
 
     @torch.no_grad()
     def _gathered(self, bucket: list[_Entry], grads: bool) -> list[torch.Tensor]:
-        """This stage's full (TP-gathered) tensors of the bucket."""
-        tp_group = self.ctx.pg.tp if self.ctx.tp_size > 1 else None
-        return [
-            gather_full(
-                self._local_tensor(e.name, grads),
-                tp_split_of(e.name, self._params[e.name]),
-                tp_group,
-                self.family.spec.vocab_size,
+        """This stage's full (TP-gathered) tensors of the bucket, on every rank of the stage."""
+        ctx = self.ctx
+        owner = bucket[0].ep_owner
+        if owner is not None and owner != ctx.ep_rank:
+            return self._from_ep_owner(bucket, owner, None)
+        groups = {False: ctx.pg.tp if ctx.tp_size > 1 else None, True: ctx.pg.expt_tp if ctx.etp_size > 1 else None}
+        tensors = []
+        for e in bucket:
+            split = tp_split_of(e.name, self._params[e.name])
+            tensors.append(
+                gather_full(self._local_tensor(e.name, grads), split, groups[split.expert], self.family.spec.vocab_size)
             )
-            for e in bucket
-        ]
+        return tensors if owner is None else self._from_ep_owner(bucket, owner, tensors)
+
+    def _from_ep_owner(
+        self, bucket: list[_Entry], owner: int, tensors: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """An expert bucket broadcast over the EP group from the EP rank that holds it."""
+        ctx = self.ctx
+        if tensors is not None:
+            flat = torch.cat([t.reshape(-1).to(bucket[0].dtype) for t in tensors])
+        else:
+            flat = torch.empty(sum(e.numel for e in bucket), dtype=bucket[0].dtype, device=ctx.device)
+        dist.broadcast(flat, src=dist.get_process_group_ranks(ctx.pg.ep)[owner], group=ctx.pg.ep)
+        return [piece.view(e.shape) for piece, e in zip(flat.split([e.numel for e in bucket]), bucket)]
 
     @torch.no_grad()
     def _materialise(

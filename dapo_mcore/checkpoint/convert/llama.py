@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core name maps for Llama-style decoders (llama, qwen2, qwen3).
+"""HF <-> Megatron-Core name maps for Llama-style decoders (llama, qwen2, qwen3) and Qwen3-MoE.
 
 Pure per-parameter maps on full (unsharded) tensors, each rule with its inverse (DESIGN.md rule 11):
 - mcore_to_hf(name, tensor) -> [(hf_name, tensor), ...]   (one fused Megatron tensor may give several)
@@ -6,7 +6,8 @@ Pure per-parameter maps on full (unsharded) tensors, each rule with its inverse 
 The same maps feed the converters in tools/, the HF loader and the weight push to rollout engines.
 
 Megatron's fused QKV weight is laid out per query group: that group's query heads, then its key head, then
-its value head ([ng * (nh/ng + 2) * d, H]); the SwiGLU fc1 is [gate; up].
+its value head ([ng * (nh/ng + 2) * d, H]); the SwiGLU fc1 is [gate; up], an expert's as well. Expert
+names carry the global expert index {e} (mcore/sharding.py makes local indices global).
 """
 
 from __future__ import annotations
@@ -24,10 +25,24 @@ Tensors = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class _Rule:
-    mcore: str  # template; {i} is the global layer index
+    mcore: str  # template; {i} is the global layer index, {e} the global expert index
     hf: tuple[str, ...]  # templates of the HF tensors it is made of
     merge: Callable[[Tensors], torch.Tensor]
     split: Callable[[torch.Tensor], Tensors]
+    layers: str = "all"  # "all", or only the "dense" or the "moe" (sparse) layers
+
+
+def _regex(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile("^" + escaped + "$")
+
+
+def _cat_rows(tensors: Tensors) -> torch.Tensor:
+    return torch.cat(tensors, dim=0)
+
+
+def _halves(tensor: torch.Tensor) -> Tensors:
+    return list(tensor.chunk(2, dim=0))
 
 
 def _same(tensors: Tensors) -> torch.Tensor:
@@ -44,23 +59,23 @@ class LlamaFamilyMap:
     def __init__(self, spec: ModelSpec, te_layer_names: bool = False):
         self.spec, self.te_layer_names = spec, te_layer_names
         self._rules = self._build_rules(te_layer_names)
-        self._patterns = [
-            (re.compile("^" + re.escape(r.mcore).replace(r"\{i\}", r"(\d+)") + "$"), r) for r in self._rules
-        ]
+        self._patterns = [(_regex(r.mcore), r) for r in self._rules]
 
     def mcore_names(self) -> list[str]:
-        """Every Megatron parameter name of the whole model, global layer indices."""
+        """Every Megatron parameter name of the whole model, global layer and expert indices."""
         names = []
         for rule in self._rules:
-            if "{i}" in rule.mcore:
-                names += [rule.mcore.format(i=i) for i in range(self.spec.num_layers)]
-            else:
+            if "{i}" not in rule.mcore:
                 names.append(rule.mcore)
+                continue
+            for i in self._layers_of(rule):
+                experts = range(self.spec.num_experts) if "{e}" in rule.mcore else [0]
+                names += [rule.mcore.format(i=i, e=e) for e in experts]
         return names
 
     def hf_sources(self, mcore_name: str) -> list[str]:
-        rule, layer = self._match(mcore_name)
-        return [t.format(i=layer) for t in rule.hf]
+        rule, index = self._match(mcore_name)
+        return [t.format(**index) for t in rule.hf]
 
     def hf_to_mcore(self, mcore_name: str, hf_tensors: Tensors) -> torch.Tensor:
         rule, _ = self._match(mcore_name)
@@ -69,20 +84,28 @@ class LlamaFamilyMap:
     def mcore_to_hf(self, mcore_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if mcore_name == "output_layer.weight" and self.spec.tie_word_embeddings:
             return []  # the HF model ties lm_head to embed_tokens, which the embedding already carries
-        rule, layer = self._match(mcore_name)
-        return [(t.format(i=layer), piece) for t, piece in zip(rule.hf, rule.split(tensor))]
+        rule, index = self._match(mcore_name)
+        return [(t.format(**index), piece) for t, piece in zip(rule.hf, rule.split(tensor))]
 
-    def _match(self, mcore_name: str) -> tuple[_Rule, int | None]:
+    def _layers_of(self, rule: _Rule) -> list[int]:
+        layers = range(self.spec.num_layers)
+        if rule.layers == "all":
+            return list(layers)
+        sparse = self.spec.moe_layers or (False,) * self.spec.num_layers
+        return [i for i in layers if sparse[i] == (rule.layers == "moe")]
+
+    def _match(self, mcore_name: str) -> tuple[_Rule, dict[str, int]]:
         for pattern, rule in self._patterns:
             m = pattern.match(mcore_name)
-            if m:
-                return rule, int(m.group(1)) if m.groups() else None
+            if m and (m.groupdict().get("i") is None or int(m.group("i")) in self._layers_of(rule)):
+                return rule, {k: int(v) for k, v in m.groupdict().items()}
         raise KeyError(f"no HF mapping for Megatron parameter '{mcore_name}'")
 
     def _build_rules(self, te: bool) -> list[_Rule]:
         s = self.spec
         hf_layer, mc_layer = "model.layers.{i}.", "decoder.layers.{i}."
         input_norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+        # TE fuses the norm into a dense layer's fc1; a sparse layer keeps its own norm before the router
         mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
 
         def qkv(kind: str) -> tuple[str, ...]:
@@ -93,14 +116,15 @@ class LlamaFamilyMap:
             _Rule(mc_layer + input_norm, (hf_layer + "input_layernorm.weight",), _same, _one),
             _Rule(mc_layer + "self_attention.linear_qkv.weight", qkv("weight"), self._merge_qkv, self._split_qkv),
             _Rule(mc_layer + "self_attention.linear_proj.weight", (hf_layer + "self_attn.o_proj.weight",), _same, _one),
-            _Rule(mc_layer + mlp_norm, (hf_layer + "post_attention_layernorm.weight",), _same, _one),
+            _Rule(mc_layer + mlp_norm, (hf_layer + "post_attention_layernorm.weight",), _same, _one, "dense"),
             _Rule(
                 mc_layer + "mlp.linear_fc1.weight",
                 (hf_layer + "mlp.gate_proj.weight", hf_layer + "mlp.up_proj.weight"),
-                lambda t: torch.cat(t, dim=0),
-                lambda x: list(x.chunk(2, dim=0)),
+                _cat_rows,
+                _halves,
+                "dense",
             ),
-            _Rule(mc_layer + "mlp.linear_fc2.weight", (hf_layer + "mlp.down_proj.weight",), _same, _one),
+            _Rule(mc_layer + "mlp.linear_fc2.weight", (hf_layer + "mlp.down_proj.weight",), _same, _one, "dense"),
             _Rule("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _one),
             _Rule(
                 "output_layer.weight",
@@ -109,6 +133,8 @@ class LlamaFamilyMap:
                 _one,
             ),
         ]
+        if s.is_moe:
+            rules += self._moe_rules(te)
         if s.qkv_bias:
             rules.append(
                 _Rule(mc_layer + "self_attention.linear_qkv.bias", qkv("bias"), self._merge_qkv, self._split_qkv)
@@ -123,6 +149,30 @@ class LlamaFamilyMap:
                 ),
             ]
         return rules
+
+    @staticmethod
+    def _moe_rules(te: bool) -> list[_Rule]:
+        """A sparse layer: its norm, the router (HF `gate`) and each expert's SwiGLU MLP. TE's grouped GEMM
+        names expert e's weights `linear_fc1.weight<e>`, the local spec `local_experts.<e>.linear_fc1.weight`."""
+        hf, mc = "model.layers.{i}.mlp.", "decoder.layers.{i}."
+        fc1, fc2 = (
+            ("mlp.experts.linear_fc1.weight{e}", "mlp.experts.linear_fc2.weight{e}")
+            if te
+            else ("mlp.experts.local_experts.{e}.linear_fc1.weight", "mlp.experts.local_experts.{e}.linear_fc2.weight")
+        )
+        expert = hf + "experts.{e}."
+        return [
+            _Rule(
+                mc + "pre_mlp_layernorm.weight",
+                ("model.layers.{i}.post_attention_layernorm.weight",),
+                _same,
+                _one,
+                "moe",
+            ),
+            _Rule(mc + "mlp.router.weight", (hf + "gate.weight",), _same, _one, "moe"),
+            _Rule(mc + fc1, (expert + "gate_proj.weight", expert + "up_proj.weight"), _cat_rows, _halves, "moe"),
+            _Rule(mc + fc2, (expert + "down_proj.weight",), _same, _one, "moe"),
+        ]
 
     def _merge_qkv(self, qkv: Tensors) -> torch.Tensor:
         q, k, v = qkv

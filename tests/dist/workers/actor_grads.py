@@ -4,7 +4,7 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
     torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
              [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
-             [--packing off,mask --varied-samples]
+             [--packing off,mask --varied-samples] [--ep 2 --etp 1 --moe-aux-loss 0.001 --moe-dispatcher allgather]
     torchrun --nproc_per_node N actor_grads.py --batch RUNS.json    # a JSON list of the argument lists above
 
 A batch builds its layouts one after another in the same processes (Megatron's groups made anew for each,
@@ -39,7 +39,7 @@ from tests.helpers import random_samples
 
 
 def build(args, mbs):
-    ctx = init_parallel(args.tp, args.pp, args.device, vpp=args.vpp)
+    ctx = init_parallel(args.tp, args.pp, args.device, vpp=args.vpp, ep=args.ep, etp=args.etp)
     if ctx.device.type == "cuda":  # fp32 comparisons: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     spec = read_model_spec(load_hf_config(args.hf_dir))
@@ -55,10 +55,14 @@ def build(args, mbs):
         recompute=args.recompute,
         fp8=args.fp8,
         fp8_recipe=args.fp8_recipe,
+        ep=args.ep,
+        etp=args.etp,
+        moe_aux_loss_coeff=args.moe_aux_loss,
+        moe_dispatcher=args.moe_dispatcher,
     )
     chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=args.te)
     family = LlamaFamilyMap(spec, te_layer_names=args.te)
-    load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp)
+    load_hf_weights(chunks, args.hf_dir, family, ctx.tp_rank, args.tp, ctx.etp_rank, ctx.etp_size)
     # Adam with eps=1: the first update is ~ lr * g, linear in the gradient, so layouts can be compared to
     # round-off (with eps=1e-8 it is ~ lr * sign(g), which turns 1e-9 gradient noise into lr-sized jumps).
     opt = OptimizerSettings(
@@ -139,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel (a MoE model)")
+    ap.add_argument("--etp", type=int, default=0, help="expert tensor parallel (0: TP)")
+    ap.add_argument("--moe-aux-loss", type=float, default=0.0, help="load-balancing loss coefficient (MoE)")
+    ap.add_argument("--moe-dispatcher", default="alltoall", choices=["alltoall", "allgather"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32")

@@ -1,0 +1,97 @@
+"""A mixture-of-experts actor (tiny Qwen3-MoE: 4 experts, top-2, layer 1 dense) gives the same loss, log-probs,
+gradients and optimizer step at every expert layout: expert parallel (EP) against experts on every rank, EP
+with tensor parallelism, expert TP apart from TP, and pipeline stages holding sparse and dense layers.
+
+Compared at the same data-parallel size: Megatron's load-balancing loss (on here, at Qwen3-MoE's 0.001) is
+computed per micro-batch, so a layout that splits the batch otherwise would change it. The layouts train
+with the distributed optimizer and are compared by the weights after one step (Adam with eps=1: the update
+is about the clipped gradient, so it checks the gradients and their norm over the expert groups); the
+gradients themselves are compared without it (its reduce-scatter leaves each rank the reduced gradient of
+its own shard only). Tolerances as in test_actor_parallel.py (fp32 on the CPU).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.test_actor_parallel import GRAD_ATOL, LOGPROB_ATOL, LOSS_RTOL, Layouts, assert_same, prefetch
+from tests.helpers import save_tiny_model
+
+pytestmark = pytest.mark.dist
+
+GRADS = {"moe_aux_loss": 0.001}
+STEP = {**GRADS, "optimizer_step": True, "dist_opt": True}
+RUNS = [  # (processes, layout): the first of each data-parallel size is the reference
+    (1, {}),
+    (2, {"pp": 2}),
+    # MoE with TP trains with sequence parallelism (Megatron's rule); expert TP 2 (= TP): gloo cannot
+    # all-gather the all-to-all dispatcher's uneven splits (NCCL can), the all-gather dispatcher runs here
+    (2, {"tp": 2, "sp": True, "moe_dispatcher": "allgather"}),
+    (2, {}),
+    (2, {"ep": 2}),
+    (4, {"tp": 2, "ep": 2, "etp": 1, "sp": True}),
+    (4, {"tp": 2, "ep": 2, "sp": True, "moe_dispatcher": "allgather"}),
+]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Layouts:
+    root = tmp_path_factory.mktemp("moe")
+    layouts = Layouts(save_tiny_model(root / "hf", "qwen3_moe", layers=4), root / "runs")
+    grads = [(layouts, 2, GRADS), (layouts, 2, {**GRADS, "ep": 2})]
+    prefetch([(layouts, nproc, {**STEP, **layout}) for nproc, layout in RUNS] + grads)
+    return layouts
+
+
+def _same_step(result: dict, reference: dict) -> None:
+    run = "token-mean/4/0"
+    assert result["runs"][run]["loss"] == pytest.approx(reference["runs"][run]["loss"], rel=LOSS_RTOL)
+    for got, want in zip(result["logprobs"], reference["logprobs"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGPROB_ATOL)
+    assert set(result["stepped"]) == set(reference["stepped"])
+    for name, weight in reference["stepped"].items():
+        torch.testing.assert_close(result["stepped"][name], weight, rtol=0, atol=GRAD_ATOL, msg=name)
+
+
+def test_the_model_has_experts_and_they_learn(moe):
+    """Not vacuous: every expert of the sparse layers gets a gradient, and the dense layer has none."""
+    grads = moe.run(2, **GRADS)["runs"]["token-mean/4/0"]["grads"]
+    expert_grads = {n: g for n, g in grads.items() if ".mlp.experts." in n}
+    assert len(expert_grads) == 3 * 4 * 3  # 3 sparse layers x 4 experts x gate, up, down
+    assert not any(n.startswith("model.layers.1.mlp.experts.") for n in grads)
+    assert "model.layers.1.mlp.gate_proj.weight" in grads
+    assert all(g.abs().sum() > 0 for g in expert_grads.values())
+    assert grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router learns too
+
+
+def test_expert_parallel_gives_the_gradients_of_experts_on_every_rank(moe):
+    assert_same(moe.run(2, **GRADS, ep=2), moe.run(2, **GRADS))
+
+
+def test_expert_parallel_with_the_distributed_optimizer(moe):
+    _same_step(moe.run(2, **STEP, ep=2), moe.run(2, **STEP))
+
+
+@pytest.mark.parametrize("experts", [{"etp": 1}, {"moe_dispatcher": "allgather"}], ids=["etp1", "etp2-allgather"])
+def test_tensor_and_expert_parallel_together(moe, experts):
+    _same_step(moe.run(4, **STEP, tp=2, ep=2, sp=True, **experts), moe.run(2, **STEP))
+
+
+def test_tensor_parallel_with_sequence_parallel_experts(moe):
+    """Also the load-balancing loss: Megatron gives it 1/TP of its weight under SP, which the provider undoes."""
+    _same_step(moe.run(2, **STEP, tp=2, sp=True, moe_dispatcher="allgather"), moe.run(1, **STEP))
+
+
+def test_pipeline_stages_with_sparse_and_dense_layers(moe):
+    _same_step(moe.run(2, **STEP, pp=2), moe.run(1, **STEP))
+
+
+def test_expert_names_are_global_at_every_layout(moe, tmp_path: Path):
+    """The exported weights (what the engines receive) name every expert once, whichever rank holds it."""
+    reference = moe.run(1, **STEP)["weights"]
+    for nproc, layout in RUNS[1:]:
+        weights = moe.run(nproc, **STEP, **layout)["weights"]
+        assert set(weights) == set(reference), layout
+        for name, tensor in reference.items():
+            assert torch.equal(weights[name], tensor), (layout, name)
