@@ -41,6 +41,9 @@ class MicroBatch:
     # (row, column) of each sample's response positions, pointing at a never-scored position past its end.
     segment_ids: torch.Tensor | None = None
     sequence_index: torch.Tensor | None = None
+    # [b, s] bool, True at padding positions (no sample's token): mixture-of-experts routers leave them out
+    # of their load-balancing loss (Megatron's padding_mask).
+    padding: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
@@ -76,6 +79,10 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
     position_ids = torch.arange(seq_len).expand(b, seq_len).clone()
     real = sum(sample_tokens(s) for s in samples if s is not None)
     segments = [(i, row, 0) for row, i in enumerate(indices) if i >= 0]
+    padding = torch.ones(b, seq_len, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        if sample is not None:
+            padding[row, : sample_tokens(sample)] = False
     return MicroBatch(
         tokens=tokens,
         position_ids=position_ids,
@@ -83,6 +90,7 @@ def build_micro_batch(samples: list[Sample | None], indices: list[int], seq_len:
         sample_index=indices,
         real_tokens=real,
         segments=segments,
+        padding=padding,
         **per_token,
     )
 
@@ -208,6 +216,7 @@ def build_packed_micro_batch(samples: list[Sample], rows: list[list[int]], row_l
     tokens = torch.full((b, row_len), pad_id, dtype=torch.long)
     position_ids = torch.zeros(b, row_len, dtype=torch.long)
     segment_ids = torch.zeros(b, row_len, dtype=torch.long)
+    padding = torch.ones(b, row_len, dtype=torch.bool)
     per_token = {k: torch.zeros(b, row_len) for k in _PER_TOKEN}
     segments, last_positions, segment = [], [], 0
     for row, indices in enumerate(rows):
@@ -217,6 +226,7 @@ def build_packed_micro_batch(samples: list[Sample], rows: list[list[int]], row_l
             _lay_out(samples[i], row, offset, tokens, per_token)
             position_ids[row, offset : offset + n] = torch.arange(n)
             segment_ids[row, offset : offset + n] = segment
+            padding[row, offset : offset + n] = False
             segments.append((i, row, offset))
             last_positions.append((row, offset + n - 1))
             offset, segment = offset + n, segment + 1
@@ -236,6 +246,7 @@ def build_packed_micro_batch(samples: list[Sample], rows: list[list[int]], row_l
         segments=segments,
         segment_ids=segment_ids,
         sequence_index=_sequence_index(samples, segments, row_len),
+        padding=padding,
         **per_token,
     )
 

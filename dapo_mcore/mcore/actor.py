@@ -243,15 +243,28 @@ class PolicyRunner:
 
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
+        extra = {"padding_mask": self._padding_mask(model, mb)} if self.spec.is_moe else {}
         if mb.segment_ids is None:
-            output = model(mb.tokens, mb.position_ids, None)  # [b, s, V/tp] on the last stage; causal mask
+            output = model(mb.tokens, mb.position_ids, None, **extra)  # [b, s, V/tp] on the last stage; causal
         elif self.settings.packing == "thd":
-            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=thd_params(mb.segment_ids))
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=thd_params(mb.segment_ids), **extra)
         else:
             # The local spec's layers are built causal, but its (unfused: masked_softmax_fusion is off without
             # TE) softmax uses a mask when one is passed (FusedScaleMaskSoftmax.forward_torch_softmax).
-            output = model(mb.tokens, mb.position_ids, block_causal_mask(mb.segment_ids))
+            output = model(mb.tokens, mb.position_ids, block_causal_mask(mb.segment_ids), **extra)
         return output, partial(self._logprob_output if forward_only else self._loss, mb)
+
+    def _padding_mask(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        """[b, s] True at padding: the routers leave those tokens out of the load-balancing loss (else every
+        padding position's gradient lands on the pad token's embedding: 20x the rest, measured). GPTModel
+        splits the mask for sequence parallelism only where it embeds (the first stage); later stages get
+        their slice here, as GPTModel cuts it."""
+        padding = mb.padding
+        if self.config.sequence_parallel and not unwrap(model).pre_process:
+            from megatron.core import tensor_parallel
+
+            padding = tensor_parallel.scatter_to_sequence_parallel_region(padding.t().contiguous()).t().contiguous()
+        return padding
 
     def _token_logprobs(self, mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[b, s] log-probs and entropies of the labels; the model output is logits, or hidden states when fused."""

@@ -162,10 +162,11 @@ def _moe_kwargs(
     (no capacity factor), no shared expert.
 
     sp_ranks: the TP ranks a sequence is split over (sequence parallelism). With calculate_per_token_loss,
-    Megatron scales each rank's share of the load-balancing loss by that rank's token count
+    Megatron scales each rank's share of the load-balancing loss by that rank's count of non-padding tokens
     (router.attach_and_log_load_balancing_loss), which gives the aux loss's gradient 1/sp_ranks of its
-    weight at TP=1 (measured: exactly 0.5 at TP=2, tests/dist/test_moe_parallel.py); the coefficient is
-    multiplied back so that the loss is the same at every layout."""
+    weight at TP=1 when the ranks hold as many (measured without padding: exactly 0.5 at TP=2); the
+    coefficient is multiplied back. With padding the ranks' shares still weigh by their own counts, so the aux
+    loss's gradient is not quite the TP=1 one there (docs/moe.md)."""
     if not spec.is_moe:
         return {}
     coeff = spec.router_aux_loss_coef if aux_loss_coeff < 0 else aux_loss_coeff
