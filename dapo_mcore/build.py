@@ -40,6 +40,7 @@ from dapo_mcore.mcore.provider import (
     build_gpt_chunks,
     build_transformer_config,
     check_model_layout,
+    check_moe_training_layout,
     resolve_transformer_impl,
 )
 from dapo_mcore.parallel import (
@@ -121,6 +122,7 @@ def build_run(cfg: RunConfig) -> Run:
     model_config = load_hf_config(cfg.model.hf_path)
     spec = read_model_spec(model_config)
     check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation
+    check_moe_training_layout(spec, tp, par.sequence_parallel)
     check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))

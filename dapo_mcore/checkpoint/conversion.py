@@ -45,9 +45,17 @@ log = get_logger(__name__)
 
 
 def build_model(spec: ModelSpec, ctx: ParallelContext, dtype: str) -> list[Any]:
-    """The local-spec GPT chunks of this rank (conversion and checks run the model as written, no TE)."""
+    """The local-spec GPT chunks of this rank (conversion and checks run the model as written, no TE; a MoE's
+    tokens reach their experts by all-gather, which gloo runs at any TP)."""
     config = build_transformer_config(
-        spec, tp=ctx.tp_size, pp=ctx.pp_size, dtype=dtype, on_cpu=ctx.is_cpu, use_te=False, vpp=ctx.vpp_size
+        spec,
+        tp=ctx.tp_size,
+        pp=ctx.pp_size,
+        dtype=dtype,
+        on_cpu=ctx.is_cpu,
+        use_te=False,
+        vpp=ctx.vpp_size,
+        moe_dispatcher="allgather",
     )
     return build_gpt_chunks(spec, config, ctx=ctx, use_te=False)
 

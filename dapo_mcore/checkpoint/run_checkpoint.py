@@ -78,7 +78,10 @@ def _rng_object(ctx: ParallelContext) -> Any:
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
-    return {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "dp": ctx.dp_size}
+    layout = {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "dp": ctx.dp_size}
+    if ctx.ep_size > 1 or ctx.etp_size != ctx.tp_size:  # (a dense model's layout reads as before)
+        layout.update(ep=ctx.ep_size, etp=ctx.etp_size)
+    return layout
 
 
 class CheckpointManager:

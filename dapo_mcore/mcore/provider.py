@@ -33,12 +33,6 @@ def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1, ep: int 
         ("FFN width", spec.ffn_hidden_size, tp, "tensor_model_parallel_size"),
         ("layers", spec.num_layers, pp * vpp, "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size"),
     ]
-    if spec.is_moe and ep == 1 and etp and etp != tp:
-        raise LayoutError(
-            f"parallel.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}, which needs "
-            "expert_model_parallel_size > 1: at EP=1 Megatron-Core 0.16 treats the experts as dense parameters "
-            "and would not sum their gradients over the ranks that share them"
-        )
     if spec.is_moe:
         checks += [
             ("experts", spec.num_experts, ep, "expert_model_parallel_size"),
@@ -47,6 +41,16 @@ def check_model_layout(spec: ModelSpec, tp: int, pp: int, vpp: int = 1, ep: int 
     for what, count, size, key in checks:
         if count % size:
             raise LayoutError(f"the model's {count} {what} do not split over parallel.{key}={size}")
+
+
+def check_moe_training_layout(spec: ModelSpec, tp: int, sequence_parallel: bool) -> None:
+    """Megatron-Core's MoE layer refuses to train with TP but without sequence parallelism (a forward alone,
+    as the conversion check runs, it allows)."""
+    if spec.is_moe and tp > 1 and not sequence_parallel:
+        raise ConfigError(
+            f"a mixture-of-experts model at parallel.tensor_model_parallel_size={tp} needs "
+            "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses to train TP without it)"
+        )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -79,11 +83,6 @@ def build_transformer_config(
 
     if on_cpu and dtype != "float32":
         raise ConfigError(f"model.dtype={dtype} needs a GPU; the CPU mode runs float32 (model.dtype=float32)")
-    if spec.is_moe and tp > 1 and not sequence_parallel:
-        raise ConfigError(
-            f"a mixture-of-experts model at parallel.tensor_model_parallel_size={tp} needs "
-            "parallel.sequence_parallel=true (Megatron-Core's MoE layer refuses to train TP without it)"
-        )
     if spec.is_moe and on_cpu and moe_dispatcher == "alltoall" and (etp or tp) > 1:
         raise ConfigError(
             f"model.moe_token_dispatcher=alltoall with an expert TP of {etp or tp} does not run on the CPU (its "
@@ -287,6 +286,21 @@ def _local_block(layer_specs: list[Any], sequence_parallel: bool) -> Any:
     )
 
 
+def _mark_expert_parameters(chunks: list[Any]) -> None:
+    """Experts are expert-parallel parameters at every EP size. Megatron-Core 0.16 marks them so
+    (`allreduce=False`) only when expert_model_parallel_size > 1; at EP=1 its DDP and optimizer then treat
+    them as dense parameters, which (a) reduces their gradients over the dense DP group instead of the
+    expert DP group (wrong when the expert TP differs from TP: those ranks share experts but not TP) and (b)
+    builds one optimizer where EP > 1 builds two (dense, experts), so a save could not resume at another EP
+    (the optimizer's keys differ). Marked here, every layout has the same two optimizers."""
+    from dapo_mcore.mcore.sharding import is_expert_param
+
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if is_expert_param(name):
+                param.allreduce = False
+
+
 def _te_norm() -> Any:
     from megatron.core.extensions.transformer_engine import TENorm
 
@@ -324,6 +338,8 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
         )
         for chunk in range(ctx.vpp_size)
     ]
+    if spec.is_moe:
+        _mark_expert_parameters(chunks)
     if not ctx.is_cpu:
         # What Megatron's own get_model does after building: the local spec's norms (torch.nn.RMSNorm when apex
         # is missing) are made on the host in float32; move every chunk to this rank's GPU and cast it to the

@@ -13,6 +13,7 @@ FAMILIES = [
     ("llama3", False, torch.float32),
     ("qwen2", False, torch.float32),
     ("qwen3", True, torch.bfloat16),
+    ("qwen3_moe", False, torch.float32),  # 4 experts, top-2, layer 1 dense (tests/helpers.py)
 ]
 
 

@@ -35,6 +35,7 @@ RUNS = [  # (processes, layout): the first of each data-parallel size is the ref
     # MoE with TP trains with sequence parallelism (Megatron's rule); expert TP 2 (= TP): gloo cannot
     # all-gather the all-to-all dispatcher's uneven splits (NCCL can), the all-gather dispatcher runs here
     (2, {**SP_STEP, "tp": 2, "sp": True, "moe_dispatcher": "allgather"}),
+    (2, {**SP_STEP, "tp": 2, "etp": 1, "sp": True}),  # expert TP apart from TP at EP=1
     (2, SP_STEP),
     (4, {**SP_STEP, "tp": 2, "ep": 2, "etp": 1, "sp": True}),
     (4, {**SP_STEP, "tp": 2, "ep": 2, "sp": True, "moe_dispatcher": "allgather"}),
@@ -90,6 +91,11 @@ def test_tensor_parallel_with_sequence_parallel_experts(moe):
 
 def test_pipeline_stages_with_sparse_and_dense_layers(moe):
     _same_step(moe.run(2, **STEP, pp=2), moe.run(1, **STEP))
+
+
+def test_expert_tensor_parallel_apart_from_tensor_parallel(moe):
+    """TP=2 x expert TP=1 at EP=1: the two TP ranks share every expert, which sums its gradient over them."""
+    _same_step(moe.run(2, **SP_STEP, tp=2, etp=1, sp=True), moe.run(1, **SP_STEP))
 
 
 def test_expert_names_are_global_at_every_layout(moe, tmp_path: Path):
