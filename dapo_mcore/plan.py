@@ -81,6 +81,12 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     max_positions: int
+    # Mixture of experts (0 experts: dense): experts of width moe_ffn, topk per token, in moe_layers layers.
+    experts: int = 0
+    topk: int = 0
+    moe_ffn: int = 0
+    moe_layers: int = 0
+    moe_pattern: tuple[bool, ...] = ()  # layer i is sparse
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelShape:
@@ -98,7 +104,16 @@ class ModelShape:
             qkv_bias=spec.qkv_bias,
             qk_norm=spec.qk_norm,
             max_positions=spec.max_position_embeddings,
+            experts=spec.num_experts,
+            topk=spec.moe_topk,
+            moe_ffn=spec.moe_ffn_hidden_size,
+            moe_layers=spec.num_moe_layers,
+            moe_pattern=spec.moe_layers,
         )
+
+    def sparse_layers_of_stage(self, pp: int, pp_rank: int) -> int:
+        per_stage = self.layers // pp
+        return sum(self.moe_pattern[pp_rank * per_stage : (pp_rank + 1) * per_stage])
 
     @property
     def q(self) -> int:
@@ -108,12 +123,35 @@ class ModelShape:
     def k(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_params(self, tp: int) -> float:
-        """One layer on one TP rank: QKV (+ bias), output projection and SwiGLU split over TP; norms replicated."""
-        sharded = self.hidden * (self.q + 2 * self.k) + self.q * self.hidden + 3 * self.hidden * self.ffn
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    def attention_params(self, tp: int) -> float:
+        """One layer's attention on one TP rank: QKV (+ bias) and output projection split over TP; the layer's
+        norms (replicated)."""
+        sharded = self.hidden * (self.q + 2 * self.k) + self.q * self.hidden
         bias = self.q + 2 * self.k if self.qkv_bias else 0
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         return (sharded + bias) / tp + norms
+
+    def layer_params(self, tp: int) -> float:
+        """One dense layer on one TP rank: its attention and its SwiGLU MLP split over TP."""
+        return self.attention_params(tp) + 3 * self.hidden * self.ffn / tp
+
+    def expert_params(self, ep: int, etp: int) -> float:
+        """One sparse layer's experts on one rank: experts / EP of them, each SwiGLU split over expert TP."""
+        return self.experts / ep * 3 * self.hidden * self.moe_ffn / etp
+
+    def moe_layer_params(self, tp: int, ep: int, etp: int) -> float:
+        """One sparse layer on one rank: attention over TP, the router (replicated), its share of experts."""
+        return self.attention_params(tp) + self.experts * self.hidden + self.expert_params(ep, etp)
+
+    def mlp_width(self, tp: int, etp: int) -> float:
+        """The MLP width one rank computes per token, averaged over the layers: a dense layer's FFN / TP; a
+        sparse one's top-k experts / expert TP (each token runs through topk experts, on whichever rank)."""
+        sparse = self.topk * self.moe_ffn / etp
+        return (self.dense_layers * self.ffn / tp + self.moe_layers * sparse) / self.layers
 
     def vocab_rows(self, tp: int) -> int:
         """Embedding rows per TP rank: Megatron pads the vocab to a multiple of 128 x TP."""
@@ -123,7 +161,8 @@ class ModelShape:
     def total_params(self) -> int:
         """The unsharded model as its HF checkpoint holds it (what an engine loads)."""
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return round(self.layers * self.layer_params(1)) + embeddings + self.hidden
+        layers = self.dense_layers * self.layer_params(1) + self.moe_layers * self.moe_layer_params(1, 1, 1)
+        return round(layers) + embeddings + self.hidden
 
     def kv_bytes_per_token(self, engine_tp: int, dtype_bytes: int) -> float:
         """K and V of every layer, KV heads split over the engine's TP (replicated where TP exceeds them)."""
@@ -202,10 +241,17 @@ class _Layout:
     engine_tp: int
     on_gpu: bool
     fused: bool  # Transformer Engine layers (fused attention); Megatron's local spec otherwise
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
 
     @property
     def replicas(self) -> int:
         return self.gpus // self.engine_tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks that hold the same experts: the distributed optimizer shards expert state over them."""
+        return self.gpus // (self.ep * self.etp * self.pp)
 
 
 @dataclass(frozen=True)
@@ -253,7 +299,18 @@ def _layout(cfg: RunConfig, shape: ModelShape, gpus: int) -> _Layout:
     par, etp = cfg.parallel, cfg.rollout.engine_tp_size
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     vpp = par.virtual_pipeline_model_parallel_size
+    ep, expert_tp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
+    moe_checks = (
+        (
+            ("experts", shape.experts, ep),
+            ("expert FFN width", shape.moe_ffn, expert_tp),
+            ("GPUs", gpus, ep * expert_tp * pp),
+        )
+        if shape.experts
+        else ()
+    )
     for what, count, size in (
+        *moe_checks,
         ("attention heads", shape.heads, tp),
         ("key/value heads", shape.kv_heads, tp),
         ("FFN width", shape.ffn, tp),
@@ -270,7 +327,7 @@ def _layout(cfg: RunConfig, shape: ModelShape, gpus: int) -> _Layout:
     on_gpu = par.device != "cpu"  # "auto" plans for the GPUs a recipe is meant for
     impl = cfg.model.transformer_impl
     fused = impl == "transformer_engine" or (impl == "auto" and on_gpu)
-    return _Layout(gpus, tp, pp, vpp, gpus // (tp * pp), etp, on_gpu, fused)
+    return _Layout(gpus, tp, pp, vpp, gpus // (tp * pp), etp, on_gpu, fused, ep, expert_tp)
 
 
 def _tokens(cfg: RunConfig, shape: ModelShape, lay: _Layout) -> _Tokens:
@@ -315,12 +372,26 @@ def _plan_stage(
 # --- the actor ------------------------------------------------------------------------------------------------
 
 
+def _stage_expert_params(shape: ModelShape, lay: _Layout, pp_rank: int) -> float:
+    """The experts' share of _stage_params."""
+    return shape.sparse_layers_of_stage(lay.pp, pp_rank) * shape.expert_params(lay.ep, lay.etp)
+
+
 def _stage_params(shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
     """Parameters on one TP rank of pipeline stage pp_rank, and what they are made of."""
     first, last = pp_rank == 0, pp_rank == lay.pp - 1
     layers, per_layer = shape.layers // lay.pp, shape.layer_params(lay.tp)
     embedding = shape.vocab_rows(lay.tp) * shape.hidden
     params, parts = layers * per_layer, [f"{layers} layers x {_count(per_layer)}"]
+    if shape.experts:
+        sparse = shape.sparse_layers_of_stage(lay.pp, pp_rank)
+        dense = layers - sparse
+        per_sparse = shape.moe_layer_params(lay.tp, lay.ep, lay.etp)
+        params = dense * per_layer + sparse * per_sparse
+        parts = [
+            f"{sparse:g} sparse layers x {_count(per_sparse)} ({shape.experts // lay.ep} experts / expert TP {lay.etp})"
+        ]
+        parts += [f"{dense:g} dense layers x {_count(per_layer)}"] if dense else []
     if first:
         params, parts = params + embedding, [*parts, f"embedding {_count(embedding)}"]
     if last and (not shape.tied or lay.pp > 1):  # tied + PP > 1: the last stage keeps a copy for its head
@@ -338,11 +409,20 @@ def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank:
     on_gpu = 1.0 - (opt.offload_fraction if opt.cpu_offload else 0.0)
     shard = f"/ DP {dp}" + (f" x {on_gpu:g} left on the GPU (optimizer.cpu_offload)" if opt.cpu_offload else "")
     master = 4 if b != 4 else 0
+    # the distributed optimizer shards dense state over DP, the experts' over the ranks holding the same experts
+    experts = _stage_expert_params(shape, lay, pp_rank)
+    edp = lay.expert_dp if cfg.parallel.use_distributed_optimizer else 1
+    sharded = (params - experts) / dp + experts / edp
+    if experts:
+        shard = (
+            f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
+            + shard[len(f"/ DP {dp}") :]
+        )
     return {
         "weights": Line("actor weights", params * b, f"{p} ({parts}; TP {lay.tp}) x {b} B"),
         "grads": Line("actor gradients", params * 4, f"{p} x 4 B (DDP main grads, fp32)"),
-        "master": Line("actor fp32 master", params * master / dp * on_gpu, f"{p} x {master} B {shard}"),
-        "moments": Line("actor Adam moments", params * 8 / dp * on_gpu, f"{p} x 8 B {shard}"),
+        "master": Line("actor fp32 master", sharded * master * on_gpu, f"{p} x {master} B {shard}"),
+        "moments": Line("actor Adam moments", sharded * 8 * on_gpu, f"{p} x 8 B {shard}"),
     }
 
 
@@ -379,11 +459,14 @@ def _layer_bytes_per_token(cfg: RunConfig, shape: ModelShape, lay: _Layout, row:
     """(bytes per token one layer keeps for backward without recompute, of which the attention scores)."""
     b, t = _DTYPE_BYTES[cfg.model.dtype], lay.tp
     sp = t if cfg.parallel.sequence_parallel else 1
-    h, q, k, f = shape.hidden, shape.q, shape.k, shape.ffn
+    h, q, k = shape.hidden, shape.q, shape.k
+    f_t = shape.mlp_width(t, lay.etp)  # FFN / TP; a sparse layer's top-k experts / expert TP
+    # a sparse layer also keeps its tokens permuted to their experts and back: top-k copies of h each way
+    dispatch = 2 * shape.topk * h * shape.moe_layers / shape.layers
     if lay.fused:  # V stays a view of the fused QKV output, so that whole buffer lives beside the roped Q and K
-        return b * (4 * h / sp + (3 * q + 3 * k + 3 * f) / t), 0.0
+        return b * (4 * h / sp + (3 * q + 3 * k) / t + 3 * f_t + dispatch), 0.0
     scores = b * shape.heads * row / t  # the softmax output [b a, s, s]
-    return b * (6 * h / sp + (4 * q + 5 * f) / t) + scores, scores
+    return b * (6 * h / sp + 4 * q / t + 5 * f_t + dispatch) + scores, scores
 
 
 def _in_flight_layers(shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int) -> float:
@@ -422,7 +505,8 @@ def _peak_transient(
     the last stage, the log-prob head's backward, which runs before any layer's."""
     b, T, group = _DTYPE_BYTES[cfg.model.dtype], tokens.micro_batch, cfg.model.recompute_num_layers
     rebuilt = group * full * T if cfg.model.recompute == "full" else 0.0
-    backward = rebuilt + b * T * (shape.hidden + 3 * shape.ffn / lay.tp)  # d(hidden), d(fc1 out), d(fc2 in)
+    # d(hidden), d(fc1 out), d(fc2 in)
+    backward = rebuilt + b * T * (shape.hidden + 3 * shape.mlp_width(lay.tp, lay.etp))
     head = _head_bytes(cfg, shape, lay, tokens) if pp_rank == lay.pp - 1 else 0.0
     if head >= backward:
         return Line("peak transient: log-prob head", head, _head_formula(cfg, shape, lay, tokens))
@@ -489,7 +573,7 @@ class _EngineModel:
         """One forward of the engine's batch, its sampler's fp32 logits, CUDA graphs."""
         s, e = self.shape, self.lay.engine_tp
         batch = self.ro.max_num_batched_tokens or _ENGINE_BATCHED_TOKENS
-        forward = batch * (2 * s.hidden + 2 * (s.q + 2 * s.k) / e + 3 * s.ffn / e) * self.b
+        forward = batch * (2 * s.hidden + 2 * (s.q + 2 * s.k) / e + 3 * s.mlp_width(e, e)) * self.b
         graphs = _CUDA_GRAPHS_GIB * GIB if self.ro.cuda_graphs else 0.0
         return forward + _ENGINE_MAX_SEQS * s.vocab * 4 + graphs
 
@@ -554,9 +638,16 @@ def _describe_layout(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _T
     layers = "Transformer Engine layers" if lay.fused else "local layers (unfused attention)"
     budget = cfg.trainer.max_tokens_per_micro_batch
     source = f"token budget {budget}" if budget else f"micro_batch_size {cfg.trainer.micro_batch_size}"
+    experts = ""
+    if shape.experts:
+        experts = (
+            f", {shape.experts} experts top-{shape.topk} in {shape.moe_layers} layers: EP {lay.ep} x expert TP "
+            f"{lay.etp} x expert DP {lay.expert_dp}"
+        )
     return (
         f"{shape.model_type} {_count(shape.total_params())} params (h {shape.hidden}, {shape.layers} layers, "
-        f"vocab {shape.vocab}) on {lay.gpus} GPUs: TP {lay.tp}{sp} x PP {lay.pp}{vpp} x DP {lay.dp}, {optimizer}; "
+        f"vocab {shape.vocab}) on {lay.gpus} GPUs: TP {lay.tp}{sp} x PP {lay.pp}{vpp} x DP {lay.dp}{experts}, "
+        f"{optimizer}; "
         f"engine {cfg.rollout.engine} TP {lay.engine_tp} x {lay.replicas} replicas\n"
         f"{cfg.model.dtype}, {layers}, recompute={cfg.model.recompute}; micro-batches of {tokens.micro_batch} "
         f"tokens ({source}; longest sequence {tokens.sequence} = prompt {tokens.prompt} + response "

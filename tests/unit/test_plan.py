@@ -66,7 +66,8 @@ def megatron_params(ctx, hf: dict, tp: int, pp: int, tp_rank: int, pp_rank: int)
     pg.tp, pg.pp = FakeGroup(tp, tp_rank), FakeGroup(pp, pp_rank)
     rank_ctx = dataclasses.replace(ctx, tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank, pg=pg)
     spec = read_model_spec(hf)
-    tconfig = build_transformer_config(spec, tp=tp, pp=pp, dtype="float32", on_cpu=True, use_te=False)
+    experts = {"etp": 1} if spec.is_moe else {}  # the one-process world's expert TP group has one rank
+    tconfig = build_transformer_config(spec, tp=tp, pp=pp, dtype="float32", on_cpu=True, use_te=False, **experts)
     chunks = build_gpt_chunks(spec, tconfig, ctx=rank_ctx, use_te=False)
     return sum(p.numel() for chunk in chunks for p in chunk.parameters())
 
@@ -82,11 +83,16 @@ def megatron_params(ctx, hf: dict, tp: int, pp: int, tp_rank: int, pp_rank: int)
         ("llama", True, 2, 1),
         ("llama", True, 1, 2),  # tied embeddings: the last stage keeps its own output layer
         ("qwen2", False, 2, 2),
+        ("qwen3_moe", False, 1, 1),  # layer 0 sparse (4 experts), layer 1 dense
+        ("qwen3_moe", False, 2, 1),  # attention over TP 2, experts whole (expert TP 1)
+        ("qwen3_moe", False, 1, 2),  # a sparse stage and a dense one
     ],
 )
 def test_per_rank_parameters_equal_the_megatron_model_the_provider_builds(one_process_world, family, tie, tp, pp):
     hf = hf_dict(family, tie)
     cfg = config(f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}")
+    if family == "qwen3_moe":  # the one-process world's expert TP group has one rank
+        cfg.parallel.expert_tensor_parallel_size = 1
     for pp_rank in range(pp):
         built = {megatron_params(one_process_world, hf, tp, pp, tp_rank, pp_rank) for tp_rank in range(tp)}
         assert built == {stage_params(cfg, hf, pp_rank, gpus=tp * pp)}, (family, tie, tp, pp, pp_rank)
@@ -114,7 +120,7 @@ def test_the_planner_sizes_the_model_the_provider_reads(family):
 def test_the_unsharded_count_is_the_hf_models():
     from transformers import AutoModelForCausalLM
 
-    for family, tie in (("llama", False), ("qwen2", False), ("qwen3", True)):
+    for family, tie in (("llama", False), ("qwen2", False), ("qwen3", True), ("qwen3_moe", False)):
         model = AutoModelForCausalLM.from_config(tiny_hf_config(family, tie, 3))
         assert ModelShape.from_hf(hf_dict(family, tie, 3)).total_params() == sum(p.numel() for p in model.parameters())
 

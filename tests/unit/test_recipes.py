@@ -1,5 +1,6 @@
-"""The Qwen2.5 DAPO recipes for H100 nodes: they carry the paper's settings, pass the config checks that need no
-weights or data, and the memory planner says they fit 80 GB at the GPU counts they are written for."""
+"""The DAPO recipes for H100 nodes (Qwen2.5-7B, Qwen2.5-32B, Qwen3-30B-A3B): they carry the paper's settings,
+pass the config checks that need no weights or data, and the memory planner says they fit 80 GB at the GPU
+counts they are written for."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = {  # recipe -> (architecture shipped in examples/models, GPUs it is laid out for)
     "dapo_qwen2.5_7b_h100.yaml": ("Qwen2.5-7B", 8),
     "dapo_qwen2.5_32b_h100.yaml": ("Qwen2.5-32B", 32),
+    "dapo_qwen3_30b_a3b_h100.yaml": ("Qwen3-30B-A3B", 8),
 }
+WEIGHTS = {"Qwen3-30B-A3B": "Qwen3-30B-A3B-Base"}  # where the recipe downloads them, when not the model's name
 
 
 def load(recipe: str, tmp_path: Path, *overrides: str):
@@ -63,6 +66,8 @@ def test_recipe_passes_the_checks_that_need_no_weights(recipe, tmp_path):
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         par.virtual_pipeline_model_parallel_size,
+        par.expert_model_parallel_size,
+        par.expert_tensor_parallel_size,
     )
     assert cfg.data.max_prompt_len + cfg.rollout.sampling.max_response_len <= spec.max_position_embeddings
 
@@ -70,7 +75,7 @@ def test_recipe_passes_the_checks_that_need_no_weights(recipe, tmp_path):
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_names_the_weights_to_download_under_models(recipe):
     model, _ = RECIPES[recipe]
-    assert load_config(REPO / "examples" / recipe).model.hf_path == f"models/{model}"
+    assert load_config(REPO / "examples" / recipe).model.hf_path == f"models/{WEIGHTS.get(model, model)}"
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
