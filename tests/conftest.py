@@ -43,19 +43,25 @@ WHOLE_MODULES = (  # longest first (tests/README.md has the times)
     "tests/e2e/test_smollm2.py",
     "tests/e2e/test_checkpoints.py",
     "tests/engines/test_engine_contract.py",
+    "tests/dist/test_conversion.py",
+    "tests/dist/test_moe_parallel.py",
     "tests/slurm/test_cluster.py",
     "tests/unit/test_step_batches.py",
     "tests/unit/test_offload.py",
     "tests/unit/test_plan.py",
 )
 SLURM_GROUP = "tests/slurm/"  # the tier shares one cluster (tests/slurm/conftest.py)
+# Modules that join another's unit: they use its session-scoped fixture (checkpoint_reference below).
+JOINS = {"tests/faults/test_damaged_saves.py": "tests/e2e/test_checkpoints.py"}
 
 
 def work_unit_of(nodeid: str) -> str:
-    """What goes to one worker: the module for WHOLE_MODULES, the Slurm tier together, else the test alone."""
+    """What goes to one worker: the module for WHOLE_MODULES (with the modules that JOIN it), the Slurm tier
+    together, else the test alone."""
     module = nodeid.split("::", 1)[0]
     if module.startswith(SLURM_GROUP):
         return SLURM_GROUP
+    module = JOINS.get(module, module)
     return module if module in WHOLE_MODULES else nodeid
 
 
@@ -84,7 +90,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; the scheduler hands out in this order
         rank = {path: i for i, path in enumerate(WHOLE_MODULES)}
-        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+        items.sort(key=lambda item: rank.get(work_unit_of(item.nodeid), len(rank)))
 
 
 def free_port() -> int:
@@ -141,3 +147,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     from tests.helpers import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_reference(tmp_path_factory) -> Path:
+    """An uninterrupted demo run of 6 steps that saves every 2 steps and exports HF weights at the end: the
+    reference of tests/e2e/test_checkpoints.py and tests/faults/test_damaged_saves.py, made once for both
+    (they share a work unit: JOINS). Tests copy it before changing anything."""
+    from tests.e2e.test_checkpoints import train_args
+    from tests.e2e.test_train_cli import cli
+
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    cli(*train_args(run_dir, "checkpoint.hf_export_interval=3"))
+    return run_dir

@@ -49,12 +49,11 @@ def hf_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """An uninterrupted run of STEPS steps that saves every 2 steps and exports HF weights at the end."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    cli(*train_args(run_dir, "checkpoint.hf_export_interval=3"))
-    return run_dir
+@pytest.fixture
+def reference(checkpoint_reference) -> Path:
+    """An uninterrupted run of STEPS steps that saves every 2 steps and exports HF weights at the end
+    (tests/conftest.py: made once per session, shared with tests/faults/test_damaged_saves.py)."""
+    return checkpoint_reference
 
 
 def run_until_killed(run_dir: Path, kill_after_rows: int, *extra: str) -> None:
