@@ -35,9 +35,9 @@ def all_tensors(hf_dir):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict:
-    """Each family's tiny HF model converted to mcore, and check_conversion at TP=2 run once over all of them
-    (one launch: its two processes' start-up is paid once): {family: (hf_dir, mcore_dir)}, and "tp2": the
-    tool's output."""
+    """Each family's tiny HF model converted to mcore, and check_conversion at TP=1 and at TP=2 run once over
+    all of them (one run each: the start-up is paid once): {family: (hf_dir, mcore_dir)}, and "tp1" / "tp2":
+    the tool's output."""
     out = {}
     for family, tie, dtype in FAMILIES:
         tmp = tmp_path_factory.mktemp(family)
@@ -45,6 +45,7 @@ def converted(tmp_path_factory) -> dict:
         tool("convert_hf_to_mcore.py", hf, tmp / "mcore")
         out[family] = (hf, tmp / "mcore")
     pairs = [str(path) for family, _, _ in FAMILIES for path in out[family]]
+    out["tp1"] = tool("check_conversion.py", *pairs, "--tp", 1).stdout
     out["tp2"] = tool("check_conversion.py", *pairs, "--tp", 2).stdout
     return out
 
@@ -61,8 +62,7 @@ def test_hf_to_mcore_to_hf_is_bit_identical_and_check_conversion_passes_at_tp1_a
     for name, tensor in original.items():
         assert returned[name].dtype == dtype and torch.equal(returned[name], tensor), name
     assert type(AutoModelForCausalLM.from_pretrained(back)).__name__.lower().startswith(family[:5])
-    out = tool("check_conversion.py", hf, mcore, "--tp", 1).stdout
-    assert "PASS at TP=1" in out, out
+    assert f"{mcore}: PASS at TP=1" in converted["tp1"], converted["tp1"]
     assert f"{mcore}: PASS at TP=2" in converted["tp2"], converted["tp2"]
 
 
