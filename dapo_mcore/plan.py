@@ -407,17 +407,18 @@ def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank:
     p = f"{_count(params)} params"
     dp = lay.dp if cfg.parallel.use_distributed_optimizer else 1
     on_gpu = 1.0 - (opt.offload_fraction if opt.cpu_offload else 0.0)
-    shard = f"/ DP {dp}" + (f" x {on_gpu:g} left on the GPU (optimizer.cpu_offload)" if opt.cpu_offload else "")
     master = 4 if b != 4 else 0
     # the distributed optimizer shards dense state over DP, the experts' over the ranks holding the same experts
     experts = _stage_expert_params(shape, lay, pp_rank)
     edp = lay.expert_dp if cfg.parallel.use_distributed_optimizer else 1
     sharded = (params - experts) / dp + experts / edp
-    if experts:
-        shard = (
-            f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
-            + shard[len(f"/ DP {dp}") :]
-        )
+    shard = (
+        f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
+        if experts
+        else f"/ DP {dp}"
+    )
+    if opt.cpu_offload:
+        shard += f" x {on_gpu:g} left on the GPU (optimizer.cpu_offload)"
     return {
         "weights": Line("actor weights", params * b, f"{p} ({parts}; TP {lay.tp}) x {b} B"),
         "grads": Line("actor gradients", params * 4, f"{p} x 4 B (DDP main grads, fp32)"),

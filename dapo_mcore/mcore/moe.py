@@ -97,27 +97,22 @@ class RouterMetrics:
         return out
 
     def _reduced(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens_LE, calls_L, aux_L) summed over the ranks; aux_L None when the aux loss is off."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        ctx = self.ctx
+        ctx, layers = self.ctx, self.spec.num_layers
         tracker = get_moe_layer_wise_logging_tracker().get(_AUX_LOSS)
-        aux_L = None
+        aux_L = torch.zeros_like(self.calls_L)
         if tracker is not None:
-            aux_L = torch.zeros_like(self.calls_L)
-            values = tracker["values"].to(aux_L)
-            aux_L[: len(values)] = values[: self.spec.num_layers]
-        # per-rank sums; layers on other pipeline stages are zeros here
-        stacked = torch.cat([self.tokens_LE.flatten(), self.calls_L, aux_L if aux_L is not None else self.calls_L * 0])
+            aux_L += tracker["values"][:layers].to(aux_L)
+        # per-rank sums, in one tensor for one collective per group; other stages' layers are zeros here
+        stacked = torch.cat([self.tokens_LE.flatten(), self.calls_L, aux_L])
         groups = [ctx.pg.dp] + ([ctx.pg.pp] if ctx.pp_size > 1 else [])
-        if ctx.tp_size > 1 and self._sequence_parallel:
-            groups.append(ctx.pg.tp)
-        for group in groups:
+        over_tp = ctx.tp_size > 1 and self._sequence_parallel
+        for group in groups + ([ctx.pg.tp] if over_tp else []):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(stacked, group=group)
-        n_le = self.tokens_LE.numel()
-        tokens_LE = stacked[:n_le].view_as(self.tokens_LE).cpu()
-        calls_L = stacked[n_le : n_le + self.spec.num_layers].cpu()
-        if ctx.pg.tp in groups:  # each TP rank's aux loss is its tokens' share: summed, not averaged, over TP
-            calls_L /= ctx.tp_size
-        aux_sum = stacked[n_le + self.spec.num_layers :].cpu()
-        return tokens_LE, calls_L, aux_sum if aux_L is not None else None
+        tokens_LE, calls_L, aux_L = stacked.cpu().split([self.tokens_LE.numel(), layers, layers])
+        if over_tp:  # each TP rank's aux loss is its tokens' share: summed, not averaged, over TP
+            calls_L = calls_L / ctx.tp_size
+        return tokens_LE.view_as(self.tokens_LE), calls_L, aux_L if tracker is not None else None
