@@ -50,11 +50,12 @@ from dapo_mcore.parallel import (
     broadcast_object,
     destroy_parallel,
     init_parallel,
+    resolve_device,
 )
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
-from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
+from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unavailable
 from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
@@ -123,6 +124,7 @@ def build_run(cfg: RunConfig) -> Run:
     spec = read_model_spec(model_config)
     check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation
     check_moe_training_layout(spec, tp, par.sequence_parallel)
+    check_routing_replay(cfg, spec)
     check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
@@ -201,7 +203,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         )
     else:
         log.info("KL penalty off (algorithm.kl.beta=0): no reference model")
-    engine = create_engine(cfg.rollout.engine, engine_settings(cfg, ctx))
+    engine = create_engine(cfg.rollout.engine, engine_settings(cfg, ctx, routing=returns_routing(cfg, spec)))
     exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
     reward = cfg.algorithm.reward
     verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
@@ -296,6 +298,7 @@ def actor_settings(cfg: RunConfig, pad_id: int, use_te: bool = False) -> ActorSe
         fused_loss_grad=cfg.model.fused_loss_grad,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
         packing=packing_mode(cfg.trainer.packing, use_te),
+        routing_replay=cfg.model.routing_replay == "rollout",
     )
 
 
@@ -317,7 +320,30 @@ def optimizer_settings(cfg: RunConfig) -> OptimizerSettings:
     )
 
 
-def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
+def check_routing_replay(cfg: RunConfig, spec: ModelSpec) -> None:
+    """model.routing_replay=rollout needs a mixture-of-experts model and an engine that returns its routing."""
+    if cfg.model.routing_replay == "off":
+        return
+    if not spec.is_moe:
+        raise ConfigError(
+            f"model.routing_replay={cfg.model.routing_replay}: {cfg.model.hf_path} has no experts to route"
+        )
+    problem = routing_unavailable(cfg.rollout.engine, _engine_device(cfg))
+    if problem:
+        raise ConfigError(f"model.routing_replay={cfg.model.routing_replay}: {problem}")
+
+
+def returns_routing(cfg: RunConfig, spec: ModelSpec) -> bool:
+    """Whether the engine is asked for its routing: for every MoE run whose engine can return it (replay, or
+    the agreement metric alone)."""
+    return spec.is_moe and routing_unavailable(cfg.rollout.engine, _engine_device(cfg)) is None
+
+
+def _engine_device(cfg: RunConfig) -> str:
+    return resolve_device(cfg.parallel.device).type
+
+
+def engine_settings(cfg: RunConfig, ctx: ParallelContext, routing: bool = False) -> EngineSettings:
     ro = cfg.rollout
     # torchrun and slurm/train.sbatch set LOCAL_RANK; a one-process run has none (parallel/state.py sets 0).
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -339,6 +365,7 @@ def engine_settings(cfg: RunConfig, ctx: ParallelContext) -> EngineSettings:
         seed=ro.seed,
         weight_bucket_mb=ro.weight_bucket_mb,
         placement=placement,
+        return_routed_experts=routing,
     )
 
 

@@ -54,6 +54,11 @@ class ModelConfig:
     # How tokens reach their experts' ranks: "alltoall" (Megatron's choice with expert parallelism) or
     # "allgather".
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # Routing replay (R3): "rollout" makes the actor's routers use the experts the engine chose for each
+    # token, when computing the old log-probs and in the update; "off": their own. Either way, with an engine
+    # that returns its routing (hf, sglang, vllm on a GPU), router/agreement logs the share of tokens whose
+    # top-k experts the actor and the engine agree on (docs/moe.md).
+    routing_replay: Literal["off", "rollout"] = "off"
 
 
 @dataclass

@@ -53,6 +53,10 @@ class Sample:
     old_logprobs: list[float] | None = None
     # Set by the reference model when the KL penalty is on.
     ref_logprobs: list[float] | None = None
+    # Mixture-of-experts models, when the engine returns its routing: [tokens - 1, layers, top-k] int16, the
+    # experts its router chose at each token (prompt, then response but its last token); -1 where none
+    # (rollout/base.py Completion.routed_experts). The actor replays them (model.routing_replay=rollout).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def truncated(self) -> bool:
@@ -96,6 +100,8 @@ def group_to_dict(group: Group) -> dict:
 
 
 def _plain(value):
+    if isinstance(value, torch.Tensor) and value.dim() > 1:  # routed experts: a tensor of its own (compact)
+        return value.clone()
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 

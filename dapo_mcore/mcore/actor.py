@@ -52,7 +52,7 @@ from dapo_mcore.mcore.fused_logprobs import (
     output_weight,
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
-from dapo_mcore.mcore.moe import RouterMetrics
+from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay
 from dapo_mcore.mcore.provider import padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
@@ -95,6 +95,9 @@ class ActorSettings:
     # the longest sample, micro_batch_size rows each) under a block-diagonal causal mask, exact with the local
     # spec; "thd": the same rows to Transformer Engine as THD with cu_seqlens (GPU; not verified here).
     packing: str = packing_mode(_TRAINER.packing, use_te=False)
+    # Mixture-of-experts models: the routers use the experts the engine chose (Sample.routed_experts) where
+    # known (model.routing_replay=rollout); False: their own, the agreement with the engine measured.
+    routing_replay: bool = False
 
     def __post_init__(self):
         if self.packing not in PACKING_MODES:
@@ -127,6 +130,7 @@ class PolicyRunner:
         self._head = unwrap(chunks[-1])  # the last model chunk holds the output layer on the last stage
         if settings.fused_logprobs and ctx.is_last_stage:
             install_passthrough_head(self._head, ctx.pg.tp)
+        self.routing = RoutingReplay(ctx, spec, chunks, settings.routing_replay) if spec.is_moe else None
 
     def prepare(self, samples: list[Sample], mini_batches: list[list[int]]) -> StepBatches:
         """This rank's micro-batches of every mini-batch (index lists into `samples`), on the device. The DP
@@ -217,19 +221,23 @@ class PolicyRunner:
 
         vpp = self.ctx.vpp_size
         forward_backward = get_forward_backward_func(pp_size=self.ctx.pp_size, vp_size=vpp if vpp > 1 else None)
-        return forward_backward(
-            forward_step_func=partial(self._forward_step, forward_only=forward_only),
-            # each model chunk reads every micro-batch once (the first for tokens, the last for the loss)
-            data_iterator=[iter(micro) for _ in self.chunks] if vpp > 1 else iter(micro),
-            model=self.chunks,
-            num_microbatches=len(micro),
-            # fixed shapes for pipeline sends unless config.variable_seq_lengths (token budgets)
-            seq_length=micro[0].tokens.shape[1],
-            micro_batch_size=micro[0].tokens.shape[0],
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-            **self._schedule_groups(),
-        )
+        try:
+            return forward_backward(
+                forward_step_func=partial(self._forward_step, forward_only=forward_only),
+                # each model chunk reads every micro-batch once (the first for tokens, the last for the loss)
+                data_iterator=[iter(micro) for _ in self.chunks] if vpp > 1 else iter(micro),
+                model=self.chunks,
+                num_microbatches=len(micro),
+                # fixed shapes for pipeline sends unless config.variable_seq_lengths (token budgets)
+                seq_length=micro[0].tokens.shape[1],
+                micro_batch_size=micro[0].tokens.shape[0],
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+                **self._schedule_groups(),
+            )
+        finally:
+            if self.routing is not None:  # a forward-only run never takes its routing targets back
+                self.routing.clear()
 
     def _schedule_groups(self) -> dict[str, Any]:
         if self.ctx.pp_size == 1:
@@ -243,7 +251,10 @@ class PolicyRunner:
 
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
-        extra = {"padding_mask": self._padding_mask(model, mb)} if self.spec.is_moe else {}
+        extra = {}
+        if self.routing is not None:
+            extra["padding_mask"] = self._padding_mask(model, mb)
+            self.routing.set_targets(model, mb.routing, mb.routing_compared)
         if mb.segment_ids is None:
             output = model(mb.tokens, mb.position_ids, None, **extra)  # [b, s, V/tp] on the last stage; causal
         elif self.settings.packing == "thd":
@@ -367,9 +378,16 @@ class MegatronActor(PolicyRunner):
         mismatch/*: samples generated at this step, with the weights the actor holds now, so any gap is the
         engine's numerics. offpolicy/*: groups carried over from earlier steps, whose gap is policy lag.
         """
-        self.logprobs_into(batches, "old_logprobs")
+        if self.routing is None:
+            self.logprobs_into(batches, "old_logprobs")
+            routing = {}
+        else:
+            _mark_routing_compared(batches, step)
+            with self.routing.collecting():
+                self.logprobs_into(batches, "old_logprobs")
+            routing = self.routing.metrics()
         fresh, stale = self._logprob_gaps(batches, step)
-        return {**_logprob_gap_metrics(fresh, "mismatch"), **_logprob_gap_metrics(stale, "offpolicy")}
+        return {**_logprob_gap_metrics(fresh, "mismatch"), **_logprob_gap_metrics(stale, "offpolicy"), **routing}
 
     def train_step(self, batches: StepBatches) -> dict[str, float]:
         """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
@@ -524,6 +542,19 @@ class MegatronActor(PolicyRunner):
         return _gathered(fresh), _gathered(stale)
 
 
+def _mark_routing_compared(batches: StepBatches, step: int) -> None:
+    """Set each micro-batch's routing_compared: the positions predicting a response token of an answer of this
+    step's weights (as mismatch/: a carried-over answer's routing is that of older weights)."""
+    for micro in batches.mini_batches:
+        for mb in micro:
+            fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
+            for index, row, offset in mb.segments:
+                sample = batches.samples[index]
+                if sample.policy_step == step:
+                    fresh[row, offset : offset + sample_tokens(sample)] = True
+            mb.routing_compared = fresh & (mb.response_mask > 0)
+
+
 def offloadable_state(optimizer: Any, model_params: list[torch.Tensor]) -> list[tuple[Any, Any]]:
     """(container, key) of each optimizer tensor that may leave the device while the engine generates: every
     state tensor (Adam's moments), and each optimized parameter that is a copy of its own (the fp32 main
@@ -607,6 +638,8 @@ def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]
 def _one_row(mb: MicroBatch) -> MicroBatch:
     """Packed rows laid end to end as one row: THD attention takes [1, total tokens] with cu_seqlens."""
     flat = {k: (v.reshape(1, -1) if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in vars(mb).items()}
+    if mb.routing is not None:  # [b, s, layers, k] -> [1, b * s, layers, k]
+        flat["routing"] = mb.routing.reshape(1, -1, *mb.routing.shape[2:])
     s = mb.tokens.shape[1]
     flat["segments"] = [(i, 0, row * s + offset) for i, row, offset in mb.segments]
     index = mb.sequence_index.clone()

@@ -1,4 +1,4 @@
-"""Mixture-of-experts pieces of the actor: the router metrics of a training step.
+"""Mixture-of-experts pieces of the actor: the router metrics of a training step, and routing replay.
 
 Each sparse layer's router (Megatron-Core's TopKRouter) returns a [tokens, experts] routing map; a forward hook
 counts the tokens each expert received while a step trains. The load of expert e is its share of the
@@ -7,6 +7,15 @@ factor by which the busiest expert holds up its expert-parallel rank. The load-b
 Megatron's own, read from its layer-wise tracker (`moe_utils.save_to_aux_losses_tracker`), which it fills
 only when the aux loss is on; it is logged without its coefficient. Tokens are counted as the router sees them:
 padding included, and twice per layer under full activation recompute (the ratios are unchanged by either).
+
+Routing replay (R3, model.routing_replay=rollout) makes each router use the experts the engine chose for the
+same token (Sample.routed_experts), so that the actor computes the probabilities of the very computation
+that sampled the answer. It goes through Megatron-Core's own hook for it: TopKRouter.router_replay, whose
+get_replay_topk(scores, ...) returns the (scores, expert ids) the router then uses. RoutingReplay installs one
+ReplayedRouting there per router, sets its target ids per micro-batch just before that micro-batch's forward
+(a pipeline schedule runs several forwards before their backwards), and compares the engine's choice with the
+actor's on every forward of compute_old_logprobs: router/agreement (the experts used), whether replay is on or
+off. Rows without engine routing (-1: padding, a sample's last token) take the router's own choice.
 """
 
 from __future__ import annotations
@@ -23,6 +32,18 @@ from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext
 
 _AUX_LOSS = "load_balancing_loss"  # the tracker's name for the aux_loss type
+
+
+def _sum_over_ranks(values: torch.Tensor, ctx: ParallelContext, sequence_parallel: bool) -> torch.Tensor:
+    """Per-rank sums of per-layer counts summed over the ranks that saw other tokens or held other layers: DP,
+    PP, and TP under sequence parallelism (without it, the TP ranks' routers saw the same tokens)."""
+    groups = [ctx.pg.dp] + ([ctx.pg.pp] if ctx.pp_size > 1 else [])
+    if ctx.tp_size > 1 and sequence_parallel:
+        groups.append(ctx.pg.tp)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+    return values.cpu()
 
 
 def routers_of(chunks: list[Any]) -> list[tuple[int, torch.nn.Module]]:
@@ -107,12 +128,133 @@ class RouterMetrics:
             aux_L += tracker["values"][:layers].to(aux_L)
         # per-rank sums, in one tensor for one collective per group; other stages' layers are zeros here
         stacked = torch.cat([self.tokens_LE.flatten(), self.calls_L, aux_L])
-        groups = [ctx.pg.dp] + ([ctx.pg.pp] if ctx.pp_size > 1 else [])
-        over_tp = ctx.tp_size > 1 and self._sequence_parallel
-        for group in groups + ([ctx.pg.tp] if over_tp else []):
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(stacked, group=group)
-        tokens_LE, calls_L, aux_L = stacked.cpu().split([self.tokens_LE.numel(), layers, layers])
-        if over_tp:  # each TP rank's aux loss is its tokens' share: summed, not averaged, over TP
+        stacked = _sum_over_ranks(stacked, ctx, self._sequence_parallel)
+        tokens_LE, calls_L, aux_L = stacked.split([self.tokens_LE.numel(), layers, layers])
+        if ctx.tp_size > 1 and self._sequence_parallel:  # each TP rank's aux loss is its tokens' share: summed
             calls_L = calls_L / ctx.tp_size
         return tokens_LE.view_as(self.tokens_LE), calls_L, aux_L if tracker is not None else None
+
+
+def _same_sets(a_Nk: torch.Tensor, b_Nk: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows' top-k expert sets are equal (whatever their order)."""
+    return (a_Nk.sort(dim=-1).values == b_Nk.sort(dim=-1).values).all(dim=-1)
+
+
+class ReplayedRouting:
+    """One router's replay hook (Megatron's TopKRouter.router_replay; the RouterReplay interface minus its
+    process-wide registry). A target is set per micro-batch forward: ([N, k] engine expert ids, -1 where
+    unknown, or None; [N] bool counted in the agreement). A forward uses the target set last; an activation
+    recompute (inside backward) takes the oldest, in the schedule's backward order (Megatron's
+    REPLAY_BACKWARD rule)."""
+
+    def __init__(self, layer: int, replay: bool, counts: AgreementCounts):
+        self.layer, self.replay, self.counts = layer, replay, counts
+        self.targets: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def set_target(self, target: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.targets.append(target)
+
+    def clear(self) -> None:
+        self.targets = []
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        own_values, own_Nk = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if not self.targets:
+            return own_values, own_Nk
+        recomputing = torch._C._current_graph_task_id() != -1  # an activation recompute runs inside backward
+        target = self.targets.pop(0) if recomputing else self.targets[-1]
+        if target is None:
+            return own_values, own_Nk
+        engine_Nk, counted_N = target
+        known_N = (engine_Nk >= 0).all(dim=-1)
+        used_Nk = torch.where(known_N[:, None], engine_Nk, own_Nk) if self.replay else own_Nk
+        if not recomputing:
+            self.counts.add(self.layer, own_Nk, used_Nk, engine_Nk, counted_N & known_N)
+        if not self.replay:
+            return own_values, own_Nk
+        return scores.gather(1, used_Nk), used_Nk
+
+
+class AgreementCounts:
+    """Per layer, while collecting: tokens compared, and those whose top-k sets agree with the engine's (the
+    experts used; the router's own choice)."""
+
+    def __init__(self, n_layers: int, device: torch.device):
+        self.counts_3L = torch.zeros(3, n_layers, dtype=torch.float64, device=device)
+        self.collecting = False
+
+    def add(self, layer: int, own_Nk, used_Nk, engine_Nk, counted_N) -> None:
+        if self.collecting:
+            with torch.no_grad():
+                self.counts_3L[0, layer] += counted_N.sum()
+                self.counts_3L[1, layer] += (_same_sets(used_Nk, engine_Nk) & counted_N).sum()
+                self.counts_3L[2, layer] += (_same_sets(own_Nk, engine_Nk) & counted_N).sum()
+
+
+class RoutingReplay:
+    """The replay hooks of a policy's routers, their per-micro-batch targets, and the agreement metric."""
+
+    def __init__(self, ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], replay: bool):
+        self.ctx, self.replay = ctx, replay
+        config = unwrap(chunks[0]).config
+        if config.moe_router_fusion:  # the fused top-k returns before Megatron's replay hook
+            raise ValueError("routing replay needs moe_router_fusion off")
+        self._sequence_parallel = config.sequence_parallel
+        self.counts = AgreementCounts(spec.num_layers, ctx.device)
+        # the hooks of each model chunk (a forward step runs one chunk), by the chunk's identity
+        self.hooks: dict[int, list[ReplayedRouting]] = {}
+        for chunk in chunks:
+            hooks = self.hooks.setdefault(id(unwrap(chunk)), [])
+            for layer, router in routers_of([chunk]):
+                router.router_replay = ReplayedRouting(layer, replay, self.counts)
+                hooks.append(router.router_replay)
+
+    def set_targets(self, model: Any, routing_bsLk: torch.Tensor | None, counted_bs: torch.Tensor | None) -> None:
+        """Before one micro-batch's forward on `model` (a chunk): each router's target, in its token order
+        (sequence-first, this TP rank's share of the sequence under sequence parallelism). counted_bs: where
+        the agreement is counted (None: nowhere)."""
+        for hook in self.hooks[id(unwrap(model))]:
+            if routing_bsLk is None:
+                hook.set_target(None)
+                continue
+            engine_sbk = routing_bsLk[:, :, hook.layer].transpose(0, 1)
+            if counted_bs is None:
+                counted_bs = torch.zeros(routing_bsLk.shape[:2], dtype=torch.bool, device=routing_bsLk.device)
+            counted_sb = counted_bs.transpose(0, 1)
+            if self._sequence_parallel and self.ctx.tp_size > 1:
+                engine_sbk = engine_sbk.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
+                counted_sb = counted_sb.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
+            k = engine_sbk.shape[-1]
+            hook.set_target((engine_sbk.reshape(-1, k).long(), counted_sb.reshape(-1)))
+
+    def clear(self) -> None:
+        """After each schedule run: forward-only runs never pop their targets."""
+        for hooks in self.hooks.values():
+            for hook in hooks:
+                hook.clear()
+
+    @contextmanager
+    def collecting(self) -> Iterator[None]:
+        self.counts.counts_3L.zero_()
+        self.counts.collecting = True
+        try:
+            yield
+        finally:
+            self.counts.collecting = False
+
+    def metrics(self) -> dict[str, float]:
+        """router/agreement: the share of compared tokens (those predicting a response token of an answer of
+        the current weights, with the engine's routing) whose experts in the actor's forward are the engine's,
+        averaged over the sparse layers; router/agreement_unreplayed: the same for the actor's own router
+        choice (equal to the first with replay off); router/agreement_tokens: tokens compared per layer. Empty
+        when nothing was compared."""
+        counts_3L = _sum_over_ranks(self.counts.counts_3L.clone(), self.ctx, self._sequence_parallel)
+        compared_L, used_L, own_L = counts_3L
+        layers = compared_L > 0
+        if not layers.any():
+            return {}
+        return {
+            "router/agreement": float((used_L[layers] / compared_L[layers]).mean()),
+            "router/agreement_unreplayed": float((own_L[layers] / compared_L[layers]).mean()),
+            "router/agreement_tokens": float(compared_L[layers].mean()),
+        }

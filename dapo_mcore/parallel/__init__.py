@@ -9,6 +9,7 @@ from dapo_mcore.parallel.state import (
     destroy_parallel,
     init_parallel,
     on_rank0,
+    resolve_device,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "destroy_parallel",
     "init_parallel",
     "on_rank0",
+    "resolve_device",
 ]

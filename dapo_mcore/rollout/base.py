@@ -10,6 +10,7 @@ import torch
 
 from dapo_mcore.config.schema import RolloutConfig
 from dapo_mcore.rollout.placement import EnginePlacement
+from dapo_mcore.utils.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class EngineSettings:
     seed: int = _ROLLOUT.seed
     # Engines that receive weights through a serialising call (SGLang) send them in buckets of this size.
     weight_bucket_mb: int = _ROLLOUT.weight_bucket_mb
+    # Mixture-of-experts models: return the experts each token was routed to (Completion.routed_experts),
+    # for routing replay and the routing-agreement metric. An engine that cannot raises RoutingUnavailable.
+    return_routed_experts: bool = False
     # This task's place among the trainer's tasks (rollout/placement.py); None: a standalone engine (eval,
     # tests) in a process of its own, on the engine's default device.
     placement: EnginePlacement | None = None
@@ -73,6 +77,34 @@ class Completion:
     # "abort": unfinished when its round was stopped (generate_answers), token_ids being what it had so far.
     finish_reason: str
     text: str
+    # With EngineSettings.return_routed_experts: [rows, layers, top-k] int16, the experts the engine's router
+    # chose at every input token: the prompt's (and a continued answer's prefix), then the new tokens but the
+    # last one (never fed back), rows = input tokens + new tokens - 1; one slice per HF layer, -1 in layers
+    # without a router. None: not asked for, or not known (an aborted answer).
+    routed_experts: torch.Tensor | None = None
+
+
+class RoutingUnavailable(ConfigError):
+    """The engine cannot return the experts its router chose (routing replay needs them)."""
+
+
+def routing_unavailable(engine: str, device: str) -> str | None:
+    """Why `engine` on `device` cannot return routed experts; None when it can. vLLM returns them from its
+    Model Runner V2 only (enable_return_routed_experts), which needs Triton: no CPU build has it. SGLang's
+    capture buffer is host memory pinned through CUDA (its start fails on the CPU: measured)."""
+    if not device.startswith("cpu"):
+        return None
+    if engine == "vllm":
+        return (
+            "vLLM's CPU build cannot return routed experts (its capture needs Model Runner V2, which needs "
+            "Triton): use rollout.engine=hf on the CPU, or model.routing_replay=off"
+        )
+    if engine == "sglang":
+        return (
+            "SGLang cannot return routed experts on the CPU (its capture pins host memory through CUDA): use "
+            "rollout.engine=hf on the CPU, or model.routing_replay=off"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -87,11 +119,23 @@ class AnswerRequest:
     answer_prefix: tuple[int, ...] = ()
 
 
-def answer_completion(tokenizer, request: AnswerRequest, tokens: list[int], logprobs: list[float], reason: str):
+def answer_completion(
+    tokenizer,
+    request: AnswerRequest,
+    tokens: list[int],
+    logprobs: list[float],
+    reason: str,
+    routed_experts: torch.Tensor | None = None,
+):
     """The completion of a request of generate_answers: its new tokens and their log-probs, and the text of the
     whole answer (the tokens it continued included)."""
     text = tokenizer.decode(list(request.answer_prefix) + list(tokens), skip_special_tokens=True)
-    return Completion(token_ids=list(tokens), logprobs=list(logprobs), finish_reason=reason, text=text)
+    return Completion(list(tokens), list(logprobs), reason, text, routed_experts)
+
+
+def routing_rows(request: AnswerRequest, n_new: int) -> int:
+    """Rows of a completion's routed_experts: every input token, and every new token but the last."""
+    return len(request.prompt_ids) + len(request.answer_prefix) + n_new - 1
 
 
 # Told of each answer as it ends (its index in the request list; token_ids and text as in the final

@@ -11,12 +11,14 @@ are never trained on), as flat tensors: each replica lays out its kept groups' t
 then its responses) and then their log-probs, bit-cast to int32, in one int32 tensor. The summaries give
 every rank each replica's exact layout and size, so one all-gather of padded tensors moves them with no
 size exchange and no pickling; the samples built from them hold tensor views, not per-token Python lists.
+A mixture-of-experts engine's routing (int16 [rows, layers, k] per sample) follows, two to an int32 word.
 
 Legend: T tokens (prompt + responses), R response tokens, G groups.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +40,8 @@ class SampleSummary:
     version_runs: tuple[tuple[int, int], ...] = ()
     # Only for the finished answers of an unfinished group (partial rollout), scored once the group is whole.
     text: str = ""
+    # The shape of the sample's routed experts (rows, layers, k); () when the engine returned none.
+    routing_shape: tuple[int, ...] = ()
 
     @property
     def truncated(self) -> bool:
@@ -64,8 +68,13 @@ class GroupSummary:
 
     @property
     def payload_len(self) -> int:
-        """int32 words the group takes in its owner's tensor: tokens (prompt once), then response log-probs."""
-        return self.prompt_len + 2 * sum(s.response_len for s in self.samples)
+        """int32 words the group takes in its owner's tensor: tokens (prompt once), response log-probs, then
+        the routing (int16, padded to whole words)."""
+        return self.prompt_len + 2 * sum(s.response_len for s in self.samples) + self.routing_words
+
+    @property
+    def routing_words(self) -> int:
+        return -(-sum(math.prod(s.routing_shape) for s in self.samples if s.routing_shape) // 2)
 
 
 def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> GroupSummary:
@@ -82,6 +91,7 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
             policy_step=s.policy_step,
             version_runs=tuple((v, n) for v, n in s.version_runs),
             text="" if whole or not s.finished else s.response_text,
+            routing_shape=tuple(s.routed_experts.shape) if s.routed_experts is not None else (),
         )
         for s in group.samples
     )
@@ -91,23 +101,36 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
 
 def pack_groups(groups: Sequence[Group]) -> torch.Tensor:
     """One int32 tensor: every group's prompt and response token ids, then every response's log-probs (float32
-    bits), in the order of `groups`."""
-    token_parts, logprob_parts = [], []
+    bits), then every group's routing (int16 pairs), in the order of `groups`."""
+    token_parts, logprob_parts, routing_parts = [], [], []
     for group in groups:
         token_parts.append(torch.as_tensor(group.samples[0].prompt_ids, dtype=torch.int32))
         for s in group.samples:
             token_parts.append(torch.as_tensor(s.response_ids, dtype=torch.int32))
             logprob_parts.append(torch.as_tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32))
+        routing_parts.append(_group_routing(group))
     tokens_T = torch.cat(token_parts) if token_parts else torch.zeros(0, dtype=torch.int32)
     logprobs_R = torch.cat(logprob_parts) if logprob_parts else torch.zeros(0, dtype=torch.float32)
-    return torch.cat([tokens_T, logprobs_R.view(torch.int32)])
+    routing_W = torch.cat(routing_parts) if routing_parts else torch.zeros(0, dtype=torch.int32)
+    return torch.cat([tokens_T, logprobs_R.view(torch.int32), routing_W])
+
+
+def _group_routing(group: Group) -> torch.Tensor:
+    """The group's routed experts, flat int16 padded to an even count, as int32 words."""
+    flat = [s.routed_experts.reshape(-1).to(torch.int16) for s in group.samples if s.routed_experts is not None]
+    if not flat:
+        return torch.zeros(0, dtype=torch.int32)
+    values = torch.cat(flat)
+    return torch.cat([values, values.new_zeros(values.numel() % 2)]).view(torch.int32)
 
 
 def unpack_groups(summaries: Sequence[GroupSummary], payload: torch.Tensor) -> list[Group]:
     """The groups `pack_groups` laid out, rebuilt from their summaries; samples hold views of `payload`."""
     n_tokens = sum(g.prompt_len + sum(s.response_len for s in g.samples) for g in summaries)
-    tokens_T, logprobs_R = payload[:n_tokens], payload[n_tokens:].view(torch.float32)
-    groups, t, r = [], 0, 0
+    n_responses = sum(s.response_len for g in summaries for s in g.samples)
+    tokens_T, logprobs_R = payload[:n_tokens], payload[n_tokens : n_tokens + n_responses].view(torch.float32)
+    routing_W = payload[n_tokens + n_responses :]
+    groups, t, r, w = [], 0, 0, 0
     for g in summaries:
         prompt_ids = tokens_T[t : t + g.prompt_len]
         t += g.prompt_len
@@ -115,8 +138,19 @@ def unpack_groups(summaries: Sequence[GroupSummary], payload: torch.Tensor) -> l
         for s in g.samples:
             samples.append(_sample(s, prompt_ids, tokens_T[t : t + s.response_len], logprobs_R[r : r + s.response_len]))
             t, r = t + s.response_len, r + s.response_len
+        _unpack_routing(g, samples, routing_W[w : w + g.routing_words])
+        w += g.routing_words
         groups.append(Group(prompt=g.prompt, samples=samples))
     return groups
+
+
+def _unpack_routing(g: GroupSummary, samples: list[Sample], words: torch.Tensor) -> None:
+    values, v = words.view(torch.int16), 0
+    for summary, sample in zip(g.samples, samples):
+        if summary.routing_shape:
+            n = math.prod(summary.routing_shape)
+            sample.routed_experts = values[v : v + n].view(summary.routing_shape)
+            v += n
 
 
 def _sample(s: SampleSummary, prompt_ids: torch.Tensor, response_ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:

@@ -6,7 +6,9 @@ through the same HF-named export that vLLM and SGLang receive.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -18,8 +20,9 @@ from dapo_mcore.rollout.base import (
     OnFinished,
     SamplingParams,
     answer_completion,
+    routing_rows,
 )
-from dapo_mcore.rollout.model_info import check_weight
+from dapo_mcore.rollout.model_info import check_weight, checkpoint_named_views
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +32,14 @@ class HFEngine:
     seeded_sampling = True
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_batch_rows: int = 256, stop_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        max_batch_rows: int = 256,
+        stop_ids: list[int] | None = None,
+        return_routed_experts: bool = False,
+    ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
@@ -38,6 +48,7 @@ class HFEngine:
         self.stop_ids = stop_ids or [tokenizer.eos_token_id]
         self._params = checkpoint_named_views(self.model)
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+        self._routing = RoutingCapture(self.model) if return_routed_experts else None
 
     @classmethod
     def create(cls, settings: EngineSettings, max_batch_rows: int = 256) -> HFEngine:
@@ -51,7 +62,8 @@ class HFEngine:
         else:  # weights arrive through update_weights before the first generate
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model.to(settings.device), tokenizer, max_batch_rows, stop_token_ids(path, tokenizer.eos_token_id))
+        stop_ids = stop_token_ids(path, tokenizer.eos_token_id)
+        return cls(model.to(settings.device), tokenizer, max_batch_rows, stop_ids, settings.return_routed_experts)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         # request i's seed is the seed of the batch chunk it starts (see _generate_rows)
@@ -88,7 +100,7 @@ class HFEngine:
         input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in inputs], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in inputs], device=self.device)
         stopper.width = width
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with self._capturing(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(rows[0].seed)
             out = self.model.generate(
                 input_ids=input_ids,
@@ -108,8 +120,14 @@ class HFEngine:
         for i, request in enumerate(rows):
             length, reason = stopper.answer_end(i, new_tokens.shape[1])
             tokens, row_logprobs = new_tokens[i, :length].tolist(), logprobs[i, :length].tolist()
-            completions.append(answer_completion(self.tokenizer, request, tokens, row_logprobs, reason))
+            routed = None
+            if self._routing is not None:
+                routed = self._routing.rows(i, len(rows), width - len(inputs[i]), routing_rows(request, length))
+            completions.append(answer_completion(self.tokenizer, request, tokens, row_logprobs, reason, routed))
         return completions
+
+    def _capturing(self):
+        return self._routing.capturing() if self._routing else nullcontext()
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -132,26 +150,54 @@ class HFEngine:
         self._params = {}
 
 
-def checkpoint_named_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by their checkpoint (hub) names, as views into the parameters. transformers 5
-    keeps a MoE layer's experts fused, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first, as its forward
-    chunks them) and `mlp.experts.down_proj` [E, H, I], and maps the per-expert checkpoint names onto them
-    when loading; the weights pushed to the engine carry the checkpoint names."""
-    views: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        data = param.detach()
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix, half = name.removesuffix("gate_up_proj"), data.shape[1] // 2
-            for e in range(data.shape[0]):
-                views[f"{prefix}{e}.gate_proj.weight"] = data[e, :half]
-                views[f"{prefix}{e}.up_proj.weight"] = data[e, half:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name.removesuffix("down_proj")
-            for e in range(data.shape[0]):
-                views[f"{prefix}{e}.down_proj.weight"] = data[e]
-        else:
-            views[name] = data
-    return views
+class RoutingCapture:
+    """The experts a transformers MoE model's routers choose during one generate call, per answer.
+
+    A forward hook on each router (`model.layers.N.mlp.gate`, whose output ends with the top-k expert ids
+    [tokens, k]) keeps its ids: the first forward is the prefill of the left-padded batch [B * W, k], each
+    later one a decoding step [B, k]. An answer's rows are its input tokens' prefill rows, then its decoding
+    steps; the step after its end belongs to other rows' decoding and is not read."""
+
+    _ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate")
+
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        self.n_layers, self.topk = config.num_hidden_layers, config.num_experts_per_tok
+        self.routers = [
+            (int(match.group(1)), module)
+            for name, module in model.named_modules()
+            if (match := self._ROUTER.fullmatch(name))
+        ]
+        if not self.routers:
+            raise ValueError(f"return_routed_experts: {type(model).__name__} has no mixture-of-experts router")
+        self.calls: dict[int, list[torch.Tensor]] = {}
+
+    @contextmanager
+    def capturing(self):
+        self.calls = {layer: [] for layer, _ in self.routers}
+        handles = [router.register_forward_hook(self._hook(layer)) for layer, router in self.routers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, layer: int):
+        def keep(_module, _inputs, output) -> None:
+            self.calls[layer].append(output[-1].detach())  # (logits, scores, top-k ids): the ids [tokens, k]
+
+        return keep
+
+    def rows(self, i: int, batch: int, pad: int, n_rows: int) -> torch.Tensor:
+        """[n_rows, layers, k] int16 for row i of a batch of `batch` rows, its input left-padded by `pad`."""
+        routed = torch.full((n_rows, self.n_layers, self.topk), -1, dtype=torch.int16)
+        for layer, calls in self.calls.items():
+            prefill_BWk = calls[0].view(batch, -1, self.topk)
+            ids = torch.cat([prefill_BWk[i, pad:], *(step[i : i + 1] for step in calls[1:])])[:n_rows]
+            if len(ids) < n_rows:  # transformers' decode loop ran otherwise than one forward per token
+                raise RuntimeError(f"layer {layer}: {len(ids)} routed tokens captured for {n_rows} expected")
+            routed[:, layer] = ids.to(device="cpu", dtype=torch.int16)
+        return routed
 
 
 def _decoding(params: SamplingParams) -> dict:

@@ -71,6 +71,8 @@ def extend_answer(sample: Sample, completion: Completion, version: int) -> Sampl
         response_text=completion.text,
         policy_step=runs[0][0] if runs else version,
         version_runs=runs,
+        # the last round's routing covers the whole answer: the engine took its earlier tokens as input
+        routed_experts=completion.routed_experts,
     )
 
 

@@ -301,6 +301,7 @@ class RolloutSampler:
                         finish_reason=c.finish_reason,
                         response_text=c.text,
                         policy_step=step,
+                        routed_experts=c.routed_experts,
                     )
                     for c in completions
                 ],

@@ -10,6 +10,7 @@ Only this module imports sglang (DESIGN.md: engines stay behind the adapter).
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -21,10 +22,12 @@ from dapo_mcore.rollout.base import (
     Completion,
     EngineSettings,
     OnFinished,
+    RoutingUnavailable,
     SamplingParams,
     SleepState,
     answer_completion,
     request_seeds,
+    routing_unavailable,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 from dapo_mcore.utils.errors import ConfigError
@@ -44,6 +47,8 @@ class SGLangEngine:
         # The same seed and weights give the same answers (deterministic inference, GPU only).
         self.seeded_sampling = not self.on_cpu
         self.tokenizer = engine.tokenizer_manager.tokenizer
+        model_config = json.loads((Path(settings.model_path) / "config.json").read_text())
+        self.n_layers, self.topk = model_config["num_hidden_layers"], model_config.get("num_experts_per_tok", 0)
         self._round = 0  # generate_answers' rounds: request ids unique in the engine
 
     @classmethod
@@ -66,7 +71,9 @@ class SGLangEngine:
             for j in range(params.n):
                 inputs.append(ids)
                 sampling.append(self._sampling(params, params.max_new_tokens, seed + j))
-        outputs = self.engine.generate(input_ids=inputs, sampling_params=sampling, return_logprob=True)
+        outputs = self.engine.generate(
+            input_ids=inputs, sampling_params=sampling, return_logprob=True, **self._routing_request()
+        )
         completions = [self._completion(out) for out in outputs]
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
@@ -95,10 +102,12 @@ class SGLangEngine:
             return_logprob=True,
             stream=True,
             rid=rids,
+            **self._routing_request(),
         )
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * len(requests)
+        routed: list[torch.Tensor | None] = [None] * len(requests)
         stopped = False
         for chunk in stream:
             i, meta = chunk["index"], chunk["meta_info"]
@@ -108,24 +117,38 @@ class SGLangEngine:
             if meta.get("finish_reason") is None or reasons[i] is not None:
                 continue
             reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
+            routed[i] = self._routed_experts(meta)
             if not stopped and reasons[i] != "abort":
-                stopped = bool(
-                    on_finished(i, answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i]))
-                )
+                answer = answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i], routed[i])
+                stopped = bool(on_finished(i, answer))
                 if stopped:
                     for rid, reason in zip(rids, reasons):
                         if reason is None:
                             self.engine.tokenizer_manager.abort_request(rid=rid)
         return [
-            answer_completion(self.tokenizer, r, t, lp, reason or "abort")
-            for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+            answer_completion(self.tokenizer, r, t, lp, reason or "abort", routing)
+            for r, t, lp, reason, routing in zip(requests, tokens, logprobs, reasons, routed)
         ]
 
     def _completion(self, out: dict) -> Completion:
         meta = out["meta_info"]
         tokens = list(out["output_ids"])
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        return Completion(tokens, logprobs, _finish_reason(meta["finish_reason"]), out["text"])
+        return Completion(
+            tokens, logprobs, _finish_reason(meta["finish_reason"]), out["text"], self._routed_experts(meta)
+        )
+
+    def _routing_request(self) -> dict:
+        return {"return_routed_experts": True} if self.settings.return_routed_experts else {}
+
+    def _routed_experts(self, meta: dict) -> torch.Tensor | None:
+        """SGLang's routed experts of a finished request: base64 of int32 (token, layer, k) over the prompt and
+        the output but its last token, as the engine contract's int16 [rows, layers, k]."""
+        encoded = meta.get("routed_experts")
+        if encoded is None or not self.settings.return_routed_experts:
+            return None
+        flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+        return flat.view(-1, self.n_layers, self.topk).to(torch.int16)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.engine.resume_memory_occupation(tags=tags), only=("weights",))
@@ -204,6 +227,10 @@ def _engine_kwargs(s: EngineSettings) -> dict:
         enable_deterministic_inference=not on_cpu,
         log_level="error",
     )
+    if s.return_routed_experts:  # the capture is allocated at start; each request then asks for its rows
+        if problem := routing_unavailable("sglang", s.device):
+            raise RoutingUnavailable(problem)
+        kwargs["enable_return_routed_experts"] = True
     if on_cpu:  # a fraction would be of the host's memory: bound the KV pool in tokens instead
         kwargs["mem_fraction_static"] = 0.05
         kwargs["max_total_tokens"] = (s.cpu_kv_cache_mb << 20) // _kv_bytes_per_token(s.model_path, s.dtype)

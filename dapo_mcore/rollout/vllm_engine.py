@@ -13,9 +13,12 @@ Only this module imports vllm (DESIGN.md: engines stay behind the adapter).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from dapo_mcore.rollout.base import (
@@ -23,12 +26,15 @@ from dapo_mcore.rollout.base import (
     Completion,
     EngineSettings,
     OnFinished,
+    RoutingUnavailable,
     SamplingParams,
     SleepState,
     answer_completion,
     request_seeds,
+    routing_unavailable,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
+from dapo_mcore.utils.errors import ConfigError
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
 _ENV_DEFAULTS = {
@@ -63,6 +69,7 @@ class VLLMEngine:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         set_num_threads = torch.set_num_threads
         _check_local_rank(settings)
+        _check_moe_on_cpu(settings)
         from vllm import LLM
 
         try:
@@ -123,6 +130,7 @@ class VLLMEngine:
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * len(requests)
+        routed: list[torch.Tensor | None] = [None] * len(requests)
         stopped = False
         try:
             while not stopped and engine.has_unfinished_requests():
@@ -130,9 +138,12 @@ class VLLMEngine:
                     i, delta = index[out.request_id], out.outputs[0]
                     tokens[i] += delta.token_ids
                     logprobs[i] += [step[token].logprob for step, token in zip(delta.logprobs, delta.token_ids)]
-                    if out.finished:
+                    if out.finished:  # the routing arrives whole with the last delta
                         reasons[i] = _finish_reason(delta.finish_reason)
-                        answer = answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i])
+                        routed[i] = _routed_experts(delta)
+                        answer = answer_completion(
+                            self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i], routed[i]
+                        )
                         if not stopped:  # the answers ending in the same step are kept, untold
                             stopped = bool(on_finished(i, answer))
         finally:  # stopped, or failed: nothing of this round may stay in the engine
@@ -140,16 +151,14 @@ class VLLMEngine:
             if unfinished:
                 engine.abort_request(unfinished)
         return [
-            answer_completion(self.tokenizer, r, t, lp, reason or "abort")
-            for r, t, lp, reason in zip(requests, tokens, logprobs, reasons)
+            answer_completion(self.tokenizer, r, t, lp, reason or "abort", routing)
+            for r, t, lp, reason, routing in zip(requests, tokens, logprobs, reasons, routed)
         ]
 
     def _completion(self, out) -> Completion:
         tokens = list(out.token_ids)
         logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
-        return Completion(
-            token_ids=tokens, logprobs=logprobs, finish_reason=_finish_reason(out.finish_reason), text=out.text
-        )
+        return Completion(tokens, logprobs, _finish_reason(out.finish_reason), out.text, _routed_experts(out))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags), only=("weights",))  # KV cache: at resume
@@ -173,6 +182,13 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+def _routed_experts(out) -> torch.Tensor | None:
+    """vLLM's routed experts of a finished answer ([prompt + new tokens - 1, layers, k], uint8 or uint16;
+    zeros in dense layers) as the engine contract's int16; None when not asked for."""
+    routed = getattr(out, "routed_experts", None)
+    return None if routed is None else torch.from_numpy(np.asarray(routed).astype(np.int16))
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -213,11 +229,30 @@ def _llm_kwargs(s: EngineSettings) -> dict:
         kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = s.memory_fraction
+    if s.return_routed_experts:
+        problem = routing_unavailable("vllm", s.device)
+        if problem:
+            raise RoutingUnavailable(problem)
+        # vLLM keeps the routing of cached prefixes by block hash: its capture requires prefix caching
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     if s.max_num_batched_tokens > 0:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     if s.max_model_len > 0:
         kwargs["max_model_len"] = s.max_model_len
     return kwargs
+
+
+def _check_moe_on_cpu(s: EngineSettings) -> None:
+    """vLLM's CPU build prepacks an MoE layer's experts for its kernel when it loads them, and its in-place
+    reload (every weight push) does not bring that back right: pushing a Qwen3-MoE the very weights it started
+    with left its log-probs 13.7 nats off transformers' (tests/engines/test_engine_contract.py). Refused rather
+    than trained on wrong samples."""
+    config = json.loads((Path(s.model_path) / "config.json").read_text())
+    if s.device == "cpu" and (config.get("num_experts") or config.get("num_local_experts")):
+        raise ConfigError(
+            "rollout.engine=vllm on the CPU cannot take weight pushes into a mixture-of-experts model's experts "
+            "(vLLM's CPU MoE kernels; docs/engines.md): use rollout.engine=hf or sglang on the CPU"
+        )
 
 
 def _check_local_rank(s: EngineSettings) -> None:

@@ -25,7 +25,9 @@ STEP = {**GRADS, "optimizer_step": True, "dist_opt": True}
 # Sequence parallelism splits each row over the TP ranks, and Megatron weighs each rank's share of the
 # load-balancing loss by its own count of non-padding tokens: with padding in the rows the ranks' shares
 # differ, so the aux loss is not layout-invariant there (docs/moe.md); those layouts are compared without it.
-SP_STEP = {**STEP, "moe_aux_loss": 0.0}
+# They replay engine routing (random experts, a third of the tokens left to the router): each TP rank's
+# router must take its own slice of the sequence.
+SP_STEP = {**STEP, "moe_aux_loss": 0.0, "routing_replay": True}
 RUNS = [  # (processes, layout): the first of each data-parallel size is the reference
     (1, STEP),
     (2, {**STEP, "pp": 2}),

@@ -11,6 +11,7 @@ Engines that are not installed, or need CUDA on a machine without it, are skippe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -21,9 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo_mcore.rollout.base import AnswerRequest, EngineSettings, SamplingParams
+from dapo_mcore.rollout.base import AnswerRequest, EngineSettings, SamplingParams, routing_unavailable
 from dapo_mcore.rollout.registry import create_engine
-from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.utils.errors import CheckpointError, ConfigError
 from dapo_mcore.weight_sync.verify import checksums, verified
 from tests.conftest import REPO, free_port
 
@@ -247,7 +248,7 @@ def test_a_model_with_tied_embeddings_scores_as_transformers_after_pushes(which,
     if reason := skip_reason(name, device):
         pytest.skip(reason)
     from safetensors.torch import load_file as load
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     settings = EngineSettings(model_path=str(tied_model), device=device, dtype="float32", load_weights=False)
     engine = create_engine(name, settings)
@@ -259,13 +260,84 @@ def test_a_model_with_tied_embeddings_scores_as_transformers_after_pushes(which,
         out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=4))
     finally:
         engine.shutdown()
-    reference = AutoModelForCausalLM.from_pretrained(tied_model, dtype=torch.float32)
-    gap = 0.0
+    gap = transformers_gap(tied_model, prompts, out)[0]
+    assert gap < LOGPROB_ATOL, f"max |log p_engine - log p_transformers| = {gap:.3g}"
+
+
+def transformers_gap(model_dir: Path, prompts: list[list[int]], out: list[list]) -> tuple[float, float | None]:
+    """(max |log p_engine - log p_transformers| over the answers' tokens, the share of routed tokens whose
+    top-k experts in every sparse layer are those transformers' routers choose; None without routing)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gap, agree, routed = 0.0, 0, 0
     for ids, group in zip(prompts, out):
         for c in group:
             full = torch.tensor([ids + c.token_ids])
             with torch.no_grad():
-                logp = torch.log_softmax(reference(full).logits[0, len(ids) - 1 : -1].float(), dim=-1)
+                result = reference(full[:, :-1], output_router_logits=c.routed_experts is not None)
+            logp = torch.log_softmax(result.logits[0, len(ids) - 1 :].float(), dim=-1)
             ref = logp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
             gap = max(gap, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    assert gap < LOGPROB_ATOL, f"max |log p_engine - log p_transformers| = {gap:.3g}"
+            if c.routed_experts is not None:
+                assert c.routed_experts.shape[0] == full.shape[1] - 1  # every input token, not the last one
+                for layer, logits in zip(sparse_layers(reference), result.router_logits):
+                    own = logits.topk(c.routed_experts.shape[2]).indices.sort(-1).values
+                    same = own == c.routed_experts[:, layer].long().sort(-1).values
+                    agree, routed = agree + int(same.all(-1).sum()), routed + len(own)
+    return gap, (agree / routed if routed else None)
+
+
+def sparse_layers(model) -> list[int]:
+    return [
+        i
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "top_k")
+    ]
+
+
+MOE_MODEL = REPO / "examples/models/tiny-arith-moe"
+# Engines route some tokens otherwise than transformers where two experts' scores nearly tie (fp32 round-off
+# in another kernel); the HF engine is transformers itself.
+ROUTING_AGREEMENT = 0.98
+
+
+@pytest.mark.parametrize("which", [p for p in ENGINES if p.values[0][1] == "cpu" or torch.cuda.is_available()])
+def test_a_mixture_of_experts_model_scores_as_transformers_and_returns_its_routing(which):
+    """The tiny Qwen3-MoE after a push (experts by their checkpoint names): log-probs as transformers', and each
+    token's experts (routing replay's input) as transformers' routers choose them, or a one-line refusal to
+    return them (vLLM's and SGLang's CPU builds). vLLM's CPU build refuses the model itself: it runs it, but
+    a push leaves its experts wrong (the adapter's _check_moe_on_cpu)."""
+    name, device = which
+    if reason := skip_reason(name, device):
+        pytest.skip(reason)
+    if (name, device) == ("sglang", "cpu"):
+        # Measured: its scheduler died (exit -9, no traceback shown) starting the tiny Qwen3-MoE in the bridged
+        # CPU environment (tests/engines/sglang_cpu: a stand-in sgl_kernel that raises on any call, which
+        # SGLang's CPU top-k path imports); not investigated further. Its routing return needs CUDA anyway.
+        pytest.skip("SGLang's MoE layers do not start in its bridged CPU test environment (docs/engines.md)")
+    from transformers import AutoTokenizer
+
+    settings = EngineSettings(
+        model_path=str(MOE_MODEL), device=device, dtype="float32", load_weights=False, return_routed_experts=True
+    )
+    if (name, device) == ("vllm", "cpu"):
+        for routing in (True, False):
+            with pytest.raises(ConfigError, match="cannot take weight pushes into a mixture-of-experts model"):
+                create_engine(name, dataclasses.replace(settings, return_routed_experts=routing))
+        return
+    if routing_unavailable(name, device):
+        with pytest.raises(ConfigError, match="cannot return routed experts"):
+            create_engine(name, settings)
+        settings = dataclasses.replace(settings, return_routed_experts=False)
+    engine = create_engine(name, settings)
+    try:
+        engine.update_weights(load_file(MOE_MODEL / "model.safetensors").items())
+        prompts = [AutoTokenizer.from_pretrained(MOE_MODEL)(p).input_ids for p in PROMPTS]
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4))
+    finally:
+        engine.shutdown()
+    gap, agreement = transformers_gap(MOE_MODEL, prompts, out)
+    print(f"{name}-{device} MoE: max |log p_engine - log p_transformers| {gap:.2e}, routing agreement {agreement}")
+    assert gap < LOGPROB_ATOL
+    assert agreement >= ROUTING_AGREEMENT if settings.return_routed_experts else agreement is None

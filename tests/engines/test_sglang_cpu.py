@@ -22,7 +22,8 @@ from tests.engines.test_engine_contract import SGLANG_CPU_ENV
 SETUP = REPO / "tests/engines/sglang_cpu/setup_env.sh"
 # Outside the clone, so that fresh clones reuse it while its inputs are unchanged (setup_env.sh checks them).
 VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dapo-mcore" / "sglang-cpu"
-# The contract tests SGLang passes on the CPU; the seed test is skipped there (no seeded sampling, docs/engines.md).
+# The contract tests SGLang passes on the CPU; skipped there: the seed test (no seeded sampling) and the MoE
+# test (its MoE layers do not start in this environment), docs/engines.md.
 N_CONTRACT_TESTS = 8
 
 
@@ -51,4 +52,4 @@ def test_sglang_keeps_the_engine_contract_on_the_cpu(sglang_python):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(rf"\b{N_CONTRACT_TESTS} passed, 1 skipped\b", proc.stdout), proc.stdout[-2000:]
+    assert re.search(rf"\b{N_CONTRACT_TESTS} passed, 2 skipped\b", proc.stdout), proc.stdout[-2000:]

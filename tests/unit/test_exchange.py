@@ -149,3 +149,24 @@ def test_packed_groups_come_back_bit_for_bit_with_their_scores():
             for key in ("finish_reason", "correct", "timed_out", "reward", "length_penalty", "trainable"):
                 assert getattr(a, key) == getattr(b, key)
             assert a.policy_step == b.policy_step
+
+
+def test_routed_experts_cross_ranks_with_their_samples():
+    """A mixture-of-experts engine's routing (int16 [rows, layers, k]) moves in the same tensor, two values a
+    word: odd counts, -1 sentinels and a sample without routing (an aborted answer) keep their place."""
+    routing = [torch.tensor([[[3, -1]], [[0, 7]]], dtype=torch.int16), None, torch.arange(9, dtype=torch.int16)]
+    routing[2] = routing[2].view(3, 3, 1)  # odd count: padded to a whole word
+    samples = [
+        Sample([1, 2], [5, 6] + [7] * i, [-0.5] * (2 + i), "stop", routed_experts=r) for i, r in enumerate(routing)
+    ]
+    groups = [Group(Prompt("p", "1", "u"), samples[:2]), Group(Prompt("q", "2", "v"), samples[2:])]
+    summaries = [summarize(g, True, 0, (0, i)) for i, g in enumerate(groups)]
+    payload = pack_groups(groups)
+    assert payload.numel() == sum(s.payload_len for s in summaries)
+    back = [s for g in unpack_groups(summaries, payload) for s in g.samples]
+    for got, want in zip(back, samples):
+        assert got.response_ids.tolist() == want.response_ids
+        if want.routed_experts is None:
+            assert got.routed_experts is None
+        else:
+            assert got.routed_experts.dtype == torch.int16 and torch.equal(got.routed_experts, want.routed_experts)

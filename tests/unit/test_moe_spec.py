@@ -124,7 +124,7 @@ def test_local_expert_names_become_global_on_each_expert_parallel_rank():
 def test_the_hf_engine_takes_per_expert_weights_into_transformers_fused_experts():
     from transformers import AutoModelForCausalLM
 
-    from dapo_mcore.rollout.hf_engine import checkpoint_named_views
+    from dapo_mcore.rollout.model_info import checkpoint_named_views
 
     model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_moe", layers=4))
     views = checkpoint_named_views(model)

@@ -4,7 +4,8 @@ HF-named gradients for a fixed batch, saved by rank 0 to --out.
     torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
              [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
-             [--packing off,mask --varied-samples] [--ep 2 --etp 1 --moe-aux-loss 0.001 --moe-dispatcher allgather]
+             [--packing off,mask --varied-samples]
+             [--ep 2 --etp 1 --moe-aux-loss 0.001 --moe-dispatcher allgather --routing-replay]
     torchrun --nproc_per_node N actor_grads.py --batch RUNS.json    # a JSON list of the argument lists above
 
 A batch builds its layouts one after another in the same processes (Megatron's groups made anew for each,
@@ -86,6 +87,7 @@ def build(args, mbs):
         logprob_chunk_size=5,
         fused_loss_grad=not args.recompute_logits,
         packing=args.packing.split(",")[0],  # the first layout is the reference of the others
+        routing_replay=args.routing_replay,
     )
     actor = build_actor(ctx, spec, chunks, opt, settings)
     return ctx, actor, WeightExporter(ctx, actor.chunks, family)
@@ -113,6 +115,20 @@ def varied_samples(budget):
     one.response_ids, one.rollout_logprobs, one.old_logprobs = one.response_ids[:1], [-4.6], [-4.5]
     one.trainable = True
     return samples
+
+
+def add_routing(samples, spec) -> None:
+    """Engine routing as a replaying actor gets it: top-k distinct experts per token and sparse layer, a third
+    of the tokens unknown (-1: the router's own choice), -1 in dense layers. The same on every rank."""
+    gen = torch.Generator().manual_seed(11)
+    for s in samples:
+        rows = len(s.prompt_ids) + len(s.response_ids) - 1
+        routed = torch.full((rows, spec.num_layers, spec.moe_topk), -1, dtype=torch.int16)
+        for layer in (i for i, sparse in enumerate(spec.moe_layers) if sparse):
+            ids = torch.rand(rows, spec.num_experts, generator=gen).argsort(dim=-1)[:, : spec.moe_topk]
+            known = torch.rand(rows, generator=gen) > 1 / 3
+            routed[known, layer] = ids[known].to(torch.int16)
+        s.routed_experts = routed
 
 
 def token_logprobs(actor, samples):
@@ -147,6 +163,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--etp", type=int, default=0, help="expert tensor parallel (0: TP)")
     ap.add_argument("--moe-aux-loss", type=float, default=0.0, help="load-balancing loss coefficient (MoE)")
     ap.add_argument("--moe-dispatcher", default="alltoall", choices=["alltoall", "allgather"])
+    ap.add_argument("--routing-replay", action="store_true", help="samples carry engine routing, replayed (MoE)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32")
@@ -176,6 +193,8 @@ def run(args) -> None:
     ctx, actor, exporter = build(args, sizes[0])
     budgets, packings = [int(x) for x in args.max_tokens.split(",")], args.packing.split(",")
     samples = varied_samples(max(budgets)) if args.varied_samples else random_samples(args.samples, seed=7)
+    if args.routing_replay:
+        add_routing(samples, actor.spec)
     gpt = actor.chunks[0].module
     result = {
         "logprobs": token_logprobs(actor, samples),
