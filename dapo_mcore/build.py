@@ -20,10 +20,10 @@ from dapo_mcore.checkpoint.hf_io import load_hf_weights
 from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
-from dapo_mcore.config.loader import config_to_dict
+from dapo_mcore.config.loader import config_changes, config_to_dict
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list, run_dir_of
-from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
+from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts, source_fingerprint
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.launch import check_all_reduce, check_this_task, path_problems, raise_shared, room_problem
@@ -98,6 +98,8 @@ class PromptSetup:
     formatter: PromptFormatter
     source: Sequence[Prompt]
     eval_sets: dict[str, list[Prompt]]
+    # The data file's (datasets.source_fingerprint); None for the generated arithmetic source.
+    fingerprint: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -429,9 +431,11 @@ def build_prompt_setup(cfg: RunConfig, tokenizer: Any, spec: ModelSpec) -> Promp
                         name, over, limit, where, done, data.long_prompts)  # fmt: skip
         if not files[name]:
             raise DataError(f"{name}: every prompt is longer than {limit} tokens ({where})")
+    fingerprint = None
     if data.source != "arithmetic":
         source = files.pop(data.source)
-    return PromptSetup(formatter, source, files)
+        fingerprint = source_fingerprint(data.source, source)
+    return PromptSetup(formatter, source, files, fingerprint)
 
 
 def prompt_length_limit(cfg: RunConfig, spec: ModelSpec) -> tuple[int, str]:
@@ -461,7 +465,7 @@ def build_sampler(
     return RolloutSampler(
         engine,
         prompts.formatter,
-        PromptStream(prompts.source, cfg.data.seed),
+        PromptStream(prompts.source, cfg.data.seed, prompts.fingerprint, cfg.data.allow_changed_data),
         verifiers.verify,
         sampler_settings(cfg),
         rank=ctx.rank,
@@ -533,8 +537,24 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
         return None
     resume = Resume(path, read_run_state(path, spec))
     log.info("resuming from %s at step %d", path, resume.step)
+    warn_config_changes(cfg, resume)
     checkpoints.set_aside_after(resume.step)
     return resume
+
+
+def warn_config_changes(cfg: RunConfig, resume: Resume) -> None:
+    """One warning listing every config key set otherwise than in the save (the model's shape was checked
+    against the save already: a change there is refused). checkpoint.resume is how a run resumes, not a change."""
+    saved = resume.run_state.get("config")
+    if saved is None:  # a save from before configs were kept
+        return
+    now = config_to_dict(cfg)
+    for section in (saved, now):
+        section.get("checkpoint", {}).pop("resume", None)
+    changes = config_changes(saved, now)
+    if changes:
+        log.warning("resuming from %s with %d config keys changed since the save: %s",
+                    resume.path.name, len(changes), "; ".join(changes))  # fmt: skip
 
 
 def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume: Resume | None) -> None:

@@ -18,7 +18,9 @@ import torch
 
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
+from dapo_mcore.checkpoint.run_checkpoint import WriterDied
 from dapo_mcore.config import RunConfig
+from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.launch import StoppedToResume, agreed_stop, cancel_grace, configure_stop, mark_saved_stop
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
@@ -45,14 +47,14 @@ def train(cfg: RunConfig) -> Path:
                 stop_if_signalled(run, step, saved_step)
                 held_out = validate(run, step)  # the weights this step starts from
                 report(run, step, {**held_out, **rl_step(run, step)})
-                run.checkpoints.poll()  # completes a background save whose shards are written
+                complete_background_save(run, step + 1)
                 if should_save(cfg, step + 1):
                     save(run, step + 1)
                     saved_step = step + 1
             final = validate(run, cfg.trainer.steps)
             if final and run.writer is not None:
                 run.writer.write(cfg.trainer.steps, final)  # a row of its own: the trained weights
-        run.checkpoints.wait()
+        complete_background_save(run, cfg.trainer.steps, blocking=True)
     except StoppedToResume:
         # every rank stopped at the same boundary: end together, so that srun --kill-on-bad-exit (exit 75 is
         # not 0) rarely cuts rank 0's wandb close or lock release short (it still can during the interpreter's
@@ -98,16 +100,38 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
     raise stop
 
 
+def complete_background_save(run: Run, next_step: int, blocking: bool = False) -> None:
+    """Complete a background save whose shards are written (blocking: wait for it). If its writer died, the
+    save is lost: save now, in this process, and stop with one line naming the process (a writer that was
+    killed once, by the OOM killer say, is not trusted with the next save)."""
+    try:
+        if blocking:
+            run.checkpoints.wait()
+        else:
+            run.checkpoints.poll()
+    except WriterDied as err:
+        path = save(run, next_step, background=False)
+        raise CheckpointError(
+            f"{err}; saved step {next_step} here instead, to {path}: run the same command again "
+            "(checkpoint.resume=auto) to continue"
+        ) from None
+
+
 def should_save(cfg: RunConfig, next_step: int) -> bool:
     interval = cfg.checkpoint.save_interval
     return interval > 0 and (next_step % interval == 0 or next_step == cfg.trainer.steps)
 
 
-def save(run: Run, next_step: int) -> Path:
-    """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export."""
+def save(run: Run, next_step: int, background: bool = True) -> Path:
+    """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export.
+    background=False: written in this process even with checkpoint.async_save."""
     run_id = run.writer.wandb_run_id if run.writer is not None else None
-    state = {"sampler": run.sampler.state_dict(), "wandb_run_id": broadcast_object(run_id, src=0)}
-    path = run.checkpoints.save(next_step, run.actor, run.spec, state)
+    state = {
+        "sampler": run.sampler.state_dict(),
+        "wandb_run_id": broadcast_object(run_id, src=0),
+        "config": config_to_dict(run.cfg),  # a resume lists what changed since
+    }
+    path = run.checkpoints.save(next_step, run.actor, run.spec, state, background=background)
     every = run.cfg.checkpoint.hf_export_interval * run.cfg.checkpoint.save_interval
     if every > 0 and (next_step % every == 0 or next_step == run.cfg.trainer.steps):
         export_hf(run, path)
@@ -175,7 +199,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
             metrics.update(run.actor.train_step(batches))
         metrics["memory/after_update_gb"] = memory_in_use_gb(run.ctx.device)
         with timer.phase("weight_push"):
-            push_weights(run)
+            metrics.update(push_weights(run))
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
 
 
@@ -204,8 +228,17 @@ def engine_phase(run: Run) -> Iterator[None]:
         run.actor.restore_after_rollout()
 
 
-def push_weights(run: Run) -> None:
-    run.exporter.push(run.engine, verify=run.cfg.rollout.verify_weights)
+def push_weights(run: Run) -> dict[str, float]:
+    """The actor's weights to the engine; with rollout.verify_weights, a line and metrics say what was checked
+    (a mismatch stops the run with one line naming the tensor)."""
+    verify = run.cfg.rollout.verify_weights
+    start = time.perf_counter()
+    stats = run.exporter.push(run.engine, verify=verify)
+    if not verify:
+        return {}
+    log.info("weight push verified: %d tensors (%.1f MiB) taken by the engine match the actor's checksums (%.2f s)",
+             stats.tensors, stats.nbytes / 2**20, time.perf_counter() - start)  # fmt: skip
+    return {"weight_sync/verified_tensors": float(stats.tensors), "weight_sync/verified_mib": stats.nbytes / 2**20}
 
 
 def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:

@@ -49,6 +49,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/unit/test_step_batches.py",
     "tests/unit/test_offload.py",
     "tests/unit/test_plan.py",
+    "tests/faults/test_resume_changes.py",
 )
 SLURM_GROUP = "tests/slurm/"  # the tier shares one cluster (tests/slurm/conftest.py)
 # Modules that join another's unit: they use its session-scoped fixture (checkpoint_reference below).

@@ -36,3 +36,24 @@ def die_on_crash(response: str, reference: str) -> bool:
 def drop_every_group(group) -> bool:
     """A dynamic-sampling filter that keeps nothing: every step hits the round cap."""
     return False
+
+
+def kill_checkpoint_writer_manager(group) -> bool:
+    """A dynamic-sampling filter (the demo's own rule) that, in step 1 (once step 0 is reported), kills the
+    manager process behind Megatron's checkpoint write-results queue with SIGKILL, once (as the OOM killer
+    might). Runs in the trainer process; finds its run directory in the command's arguments."""
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    from dapo_mcore.checkpoint import run_checkpoint
+    from dapo_mcore.rollout.sampler import correctness_spread
+
+    run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
+    marker = run_dir / "killed-writer-manager"
+    if (run_dir / "metrics.jsonl").exists() and not marker.exists():
+        marker.write_text(str(run_checkpoint._WRITER_MANAGER._process.pid))
+        os.kill(run_checkpoint._WRITER_MANAGER._process.pid, signal.SIGKILL)
+        run_checkpoint._WRITER_MANAGER._process.join()
+    return correctness_spread(group)

@@ -84,6 +84,15 @@ def layout_of(ctx: ParallelContext) -> dict[str, int]:
     return layout
 
 
+class WriterDied(CheckpointError):
+    """A background save was lost: its writer process, or the manager behind its results queue, died."""
+
+
+def _fate(process: Any) -> str:
+    code = process.exitcode
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -103,14 +112,18 @@ class CheckpointManager:
             self._async_queue = AsyncCallsQueue()
 
     # ----- saving -----------------------------------------------------------------------------------------
-    def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any]) -> Path:
+    def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any], background: bool = True) -> Path:
         """Save after `step - 1` finished; `step` is the next step to run. Collective over all ranks.
 
-        With async_save, the shards are written by a background process while training goes on; the save
-        becomes complete (manifest, rename, `latest`) in a later `poll()` or `wait()`. One save at a time."""
+        With async_save (and background), the shards are written by a background process while training goes
+        on; the save becomes complete (manifest, rename, `latest`) in a later `poll()` or `wait()`. One save at
+        a time."""
         from megatron.core import dist_checkpointing
 
-        self.wait()
+        try:
+            self.wait()
+        except WriterDied as err:  # this save replaces the one lost
+            log.error("%s; saving step %d now", err, step)
         start = time.perf_counter()
         final, tmp = self.root / step_dir_name(step), self.root / f".{step_dir_name(step)}.tmp"
 
@@ -133,7 +146,7 @@ class CheckpointManager:
             "format": format_record("run", spec, actor.chunks, layout_of(self.ctx), step),
         }
         finish = functools.partial(self._complete, tmp, final, start)
-        if self._async_queue is not None:
+        if self._async_queue is not None and background:
             request = dist_checkpointing.save(state, str(tmp), validate_access_integrity=False, async_sharded_save=True)
             request.add_finalize_fn(finish)
             self._async_queue.schedule_async_request(request)
@@ -185,8 +198,12 @@ class CheckpointManager:
 
     def _finalize_background_save(self, blocking: bool) -> None:
         """A background save that failed (a full disk in the writer process, on any rank: Megatron-Core raises
-        it on every rank when finalizing) ends like a failed synchronous one (_abandon)."""
-        if self._async_queue is None or self._writing is None:
+        it on every rank when finalizing) ends like a failed synchronous one (_abandon). A writer process that
+        died (killed, out of memory) is found here first, on every rank alike: see _check_writers."""
+        if self._async_queue is None:
+            return
+        self._check_writers()
+        if self._writing is None:
             return
         try:
             self._async_queue.maybe_finalize_async_calls(blocking=blocking)
@@ -196,6 +213,48 @@ class CheckpointManager:
             self._abandon(tmp, final, err)
         if self._async_queue.get_num_unfinalized_calls() == 0:
             self._writing = None
+
+    def _check_writers(self) -> None:
+        """The processes background saves rely on, on every rank (collective): Megatron's per-save writer and
+        the manager process behind its write-results queue. A dead manager is replaced (a warning names it);
+        a save in flight whose writer or manager died cannot complete: it is dropped and WriterDied names the
+        process (the trainer then saves synchronously and stops)."""
+        problems = [p for p in all_gather_objects(self._writer_problem()) if p]
+        dead_manager = _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive()
+        if dead_manager:
+            _restart_writer_manager()
+        if not problems:
+            return
+        if self._writing is None:  # only an idle manager died: replaced, nothing lost
+            log.warning("checkpoint writer: %s; started a new one", "; ".join(problems))
+            return
+        tmp, final = self._writing
+        self._writing = None
+        for call in self._async_queue.async_calls:  # this rank's writer may still be writing: stop it
+            process = getattr(call.async_caller, "process", None)
+            if process is not None and process.is_alive():
+                process.kill()
+                process.join()
+        self._async_queue.async_calls.clear()
+        dist.barrier()
+        if self.ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise WriterDied(
+            f"the background save {final} was lost: {'; '.join(problems)}; its partial directory was removed, "
+            "`latest` and every earlier save are kept"
+        )
+
+    def _writer_problem(self) -> str | None:
+        """This rank's dead writer-side process, named; None when every one is alive or ended normally."""
+        rank = self.ctx.rank
+        if _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive():
+            process = _WRITER_MANAGER._process
+            return f"rank {rank}: the write-results manager process (pid {process.pid}) {_fate(process)}"
+        for call in self._async_queue.async_calls if self._async_queue is not None else ():
+            process = getattr(call.async_caller, "process", None)
+            if process is not None and process.exitcode not in (None, 0):
+                return f"rank {rank}: the background writer process (pid {process.pid}) {_fate(process)}"
+        return None
 
     def _complete(self, tmp: Path, final: Path, start: float) -> None:
         dist.barrier()  # every rank's shards are on disk
@@ -431,6 +490,16 @@ def _writer_results_queue_dies_with_us() -> None:
     _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
     _WRITER_MANAGER.start(initializer=die_with_parent)
     filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+
+def _restart_writer_manager() -> None:
+    """A new write-results manager in place of a dead one (its queue proxy is useless without it)."""
+    global _WRITER_MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _WRITER_MANAGER = None
+    filesystem_async._results_queue = None
+    _writer_results_queue_dies_with_us()
 
 
 def _first_cause(err: BaseException) -> str:

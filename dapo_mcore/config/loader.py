@@ -72,6 +72,19 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """'key: old -> new' for every leaf that differs between two config_to_dict trees (keys only one has
+    included: a save from an older version, a key added since)."""
+    changes = []
+    for key in list(now) + [k for k in saved if k not in now]:
+        old, new = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
+
+
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the resolved config; loading that file again gives the same config."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

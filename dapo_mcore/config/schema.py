@@ -130,7 +130,8 @@ class RolloutConfig:
     # Weights go to the engines in buckets of about this many MiB (peers use ~512).
     weight_bucket_mb: int = 512
     # After each push, check every bucket's checksum on the engine side against the actor's (costs one
-    # extra pass over the weights); a mismatch stops the run naming the first tensor that differs.
+    # extra pass over the weights); a mismatch stops the run naming the first tensor that differs, a pass logs
+    # one line and weight_sync/verified_* metrics.
     verify_weights: bool = False
     # Engine tensor-parallel size (vllm, sglang); may differ from the actor's TP. Engine replicas = world
     # size / engine_tp_size, each generating for its share of the prompts.
@@ -324,6 +325,10 @@ class DataConfig:
     answer_key: str = "answer"
     # Shuffle seed; each epoch gets its own permutation.
     seed: int = 0
+    # A resume checks the data file against the save (its size, rows and a hash of them): a changed file is
+    # refused, since the saved position would point at other prompts. true: continue with a warning, at the
+    # same epoch and offset in the new file's order (an offset past its end starts the next epoch).
+    allow_changed_data: bool = False
     # The arithmetic generator: operands drawn from [min_operand, max_operand].
     min_operand: int = 0
     max_operand: int = 29

@@ -1,10 +1,13 @@
 """Prompt sources (the arithmetic generator or a .jsonl file) and the epoch-shuffled stream over them.
 
-The stream's position (epoch, offset) is its whole state, so a resumed run sees the same prompts next.
+The stream's position (epoch, offset) is its whole state, so a resumed run sees the same prompts next; with a
+data file, the save also holds the file's fingerprint, and a resume refuses a changed file (the same position
+in another file is other prompts) unless told to continue.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Sequence
@@ -14,6 +17,9 @@ from typing import Any
 from dapo_mcore.data.arithmetic import ArithmeticTask
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.utils.errors import DataError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
 
 
 def load_jsonl_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Prompt]:
@@ -64,18 +70,42 @@ def build_prompt_source(
     return load_jsonl_prompts(source, prompt_key, answer_key)
 
 
-class PromptStream:
-    """Endless prompts: each epoch is a fresh seeded permutation of the source."""
+def source_fingerprint(path: str | Path, prompts: Sequence[Prompt]) -> dict[str, Any]:
+    """What a resume compares: the data file's size, and the rows a run uses (after the length policy) with a
+    hash of them in order (row numbers included: reordered rows differ)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(json.dumps([p.uid, p.text, p.answer]).encode())
+    return {"file": str(path), "bytes": Path(path).stat().st_size, "rows": len(prompts), "sha256": digest.hexdigest()}
 
-    def __init__(self, source: Sequence[Prompt], seed: int):
+
+def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    changes = [f"{key} {saved[key]} -> {now[key]}" for key in ("bytes", "rows") if saved[key] != now[key]]
+    if saved["sha256"] != now["sha256"]:
+        changes.append("the rows' content or order differs (sha256)")
+    return changes
+
+
+class PromptStream:
+    """Endless prompts: each epoch is a fresh seeded permutation of the source. `fingerprint`: the data file's
+    (source_fingerprint), checked against a save's at load_state_dict; None for a generated source."""
+
+    def __init__(
+        self,
+        source: Sequence[Prompt],
+        seed: int,
+        fingerprint: dict[str, Any] | None = None,
+        allow_changed: bool = False,
+    ):
         self.source, self.seed = source, seed
+        self.fingerprint, self.allow_changed = fingerprint, allow_changed
         self.epoch, self.offset = 0, 0
         self._order = self._permutation(0)
 
     def take(self, count: int) -> list[Prompt]:
         out = []
         for _ in range(count):
-            if self.offset == len(self._order):
+            if self.offset >= len(self._order):
                 self.epoch, self.offset = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
             out.append(self.source[self._order[self.offset]])
@@ -83,11 +113,30 @@ class PromptStream:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "offset": self.offset}
+        return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._check_source(state.get("fingerprint"))  # saves before fingerprints have none
         self._order = self._permutation(self.epoch)
+
+    def _check_source(self, saved: dict[str, Any] | None) -> None:
+        if saved is None or self.fingerprint is None:
+            return
+        changes = fingerprint_changes(saved, self.fingerprint)
+        if not changes:
+            return
+        where = f"the save's position (epoch {self.epoch}, prompt {self.offset} of {saved['rows']})"
+        if not self.allow_changed:
+            raise DataError(
+                f"data file {self.fingerprint['file']} changed since the save ({'; '.join(changes)}): {where} would "
+                "point at other prompts; restore the file, or set data.allow_changed_data=true to continue with it"
+            )
+        log.warning(
+            "data file %s changed since the save (%s); data.allow_changed_data=true: continuing at %s in the new "
+            "file's order%s", self.fingerprint["file"], "; ".join(changes), where,
+            " (past its end: the next epoch starts)" if self.offset >= len(self.source) else "",
+        )  # fmt: skip
 
     def _permutation(self, epoch: int) -> Sequence[int]:
         seed = f"{self.seed}/{epoch}"

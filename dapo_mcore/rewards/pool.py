@@ -1,9 +1,11 @@
 """Running verifiers with a per-sample timeout, in worker processes, so that no output can hang the job.
 
 A check that outlives `timeout_s` is counted as wrong (and as a timeout); its worker is killed and a fresh
-one takes its place. A worker is used once it reports that its verifier is imported, so start-up time never
-counts against a check. A verifier that raises counts as wrong and its error is kept. With workers=0 the checks
-run in-process without a timeout (debugging only).
+one takes its place. A worker that died (killed, out of memory) is replaced too: found dead before it is given
+a check, the check goes to its replacement; dying during a check, that check counts as wrong. A worker is used
+once it reports that its verifier is imported, so start-up time never counts against a check. A verifier that
+raises counts as wrong and its error is kept. With workers=0 the checks run in-process without a timeout
+(debugging only).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from multiprocessing.connection import wait
 
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
+from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import die_with_parent
+
+log = get_logger(__name__)
 
 BUILTIN_VERIFIERS = {
     "dapo": "dapo_mcore.rewards.dapo_rule:is_correct",
@@ -89,7 +94,7 @@ class VerifierPool:
             for w in range(len(self._workers)):
                 if w not in busy and pending:
                     task = pending.popleft()
-                    self._workers[w].conn.send((task, *pairs[task]))
+                    self._send(w, (task, *pairs[task]))
                     busy[w] = (task, time.monotonic() + self.timeout_s)
             self._collect(busy, results)
             self._expire(busy, results)
@@ -104,7 +109,7 @@ class VerifierPool:
                 task, correct, error = conn.recv()
             except (EOFError, OSError):  # the worker died (crash, out of memory)
                 task, correct, error = busy[w][0], False, "verifier worker died"
-                self._replace(w)
+                self._replace_dead(w, "during a check, which counts as wrong")
             results[task] = Verdict(correct=correct, error=error)
             del busy[w]
 
@@ -115,6 +120,25 @@ class VerifierPool:
                 results[task] = Verdict(correct=False, timed_out=True)
                 self._replace(w)
                 del busy[w]
+
+    def _send(self, w: int, task: tuple) -> None:
+        """Give worker w a task; a worker found dead (killed while idle) is replaced and the task goes to the
+        new one."""
+        worker = self._workers[w]
+        if worker.process.is_alive():
+            try:
+                worker.conn.send(task)
+                return
+            except OSError:  # BrokenPipeError: it died just now
+                pass
+        self._replace_dead(w, "while idle; its next check went to a new worker")
+        self._workers[w].conn.send(task)
+
+    def _replace_dead(self, w: int, when: str) -> None:
+        process = self._workers[w].process
+        process.join(timeout=1)
+        log.warning("verifier worker pid %s died (exit code %s) %s", process.pid, process.exitcode, when)
+        self._replace(w)
 
     def _start(self) -> _Worker:
         return _Worker(self._ctx, self.spec, self.startup_timeout_s)

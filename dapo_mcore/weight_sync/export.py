@@ -36,6 +36,18 @@ class _Entry:
         return int(torch.Size(self.shape).numel())
 
 
+@dataclass
+class PushStats:
+    tensors: int = 0
+    nbytes: int = 0
+
+    def counted(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            self.tensors += 1
+            self.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 class WeightExporter:
     def __init__(
         self, ctx: ParallelContext, chunks: list[torch.nn.Module], family: LlamaFamilyMap, bucket_bytes: int = 512 << 20
@@ -70,8 +82,12 @@ class WeightExporter:
                 else:
                     yield from self._hf_bucket(bucket, self._materialise(stage, bucket, grads))
 
-    def push(self, engine: RolloutEngine, verify: bool = False) -> None:
-        engine.update_weights(self.hf_weights(verify=verify))
+    def push(self, engine: RolloutEngine, verify: bool = False) -> PushStats:
+        """Every weight to the engine; with verify, each checked against its owner's checksum as the engine
+        takes it (a mismatch raises). Returns what the engine took."""
+        stats = PushStats()
+        engine.update_weights(stats.counted(self.hf_weights(verify=verify)))
+        return stats
 
     def _hf_bucket(self, bucket: list[_Entry], tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return [pair for entry, tensor in zip(bucket, tensors) for pair in self.family.mcore_to_hf(entry.name, tensor)]
