@@ -172,3 +172,7 @@ def _install_host_split_sizes() -> None:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    # The all-to-all dispatcher makes its side stream once per process (a class attribute) from whatever
+    # torch.cuda.Stream is then; vLLM's CPU runner replaces torch.cuda.Stream by a placeholder whose events are
+    # None, which the dispatcher then synchronizes on. Its stream is the host stream from the start.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _HOST_STREAM
