@@ -39,9 +39,10 @@ def drop_every_group(group) -> bool:
 
 
 def kill_checkpoint_writer_manager(group) -> bool:
-    """A dynamic-sampling filter (the demo's own rule) that, in step 1 (once step 0 is reported), kills the
-    manager process behind Megatron's checkpoint write-results queue with SIGKILL, once (as the OOM killer
-    might). Runs in the trainer process; finds its run directory in the command's arguments."""
+    """A dynamic-sampling filter (the demo's own rule) that kills the manager process behind Megatron's
+    checkpoint write-results queue with SIGKILL (as the OOM killer might), once in step 1 and once in step 2
+    (told by the rows in metrics.jsonl), writing its pid to <run dir>/killed-N. Runs in the trainer process;
+    finds its run directory in the command's arguments."""
     import os
     import signal
     import sys
@@ -51,9 +52,12 @@ def kill_checkpoint_writer_manager(group) -> bool:
     from dapo_mcore.rollout.sampler import correctness_spread
 
     run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
-    marker = run_dir / "killed-writer-manager"
-    if (run_dir / "metrics.jsonl").exists() and not marker.exists():
-        marker.write_text(str(run_checkpoint._WRITER_MANAGER._process.pid))
-        os.kill(run_checkpoint._WRITER_MANAGER._process.pid, signal.SIGKILL)
-        run_checkpoint._WRITER_MANAGER._process.join()
+    metrics = run_dir / "metrics.jsonl"
+    step = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    marker = run_dir / f"killed-{step}"
+    if step in (1, 2) and not marker.exists():
+        process = run_checkpoint._WRITER_MANAGER._process
+        marker.write_text(str(process.pid))
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
     return correctness_spread(group)

@@ -103,10 +103,8 @@ def test_rerun_into_the_same_directory_keeps_the_earlier_run(tmp_path):
     [
         ["parallel.tensor_model_parallel_size=2"],
         ["parallel.pipeline_model_parallel_size=2"],
-        # two engine replicas, each stopping its share of a round; unfinished groups gathered on every rank
-        ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"],
     ],
-    ids=["tp2", "pp2", "dp2-partial-rollout"],
+    ids=["tp2", "pp2"],  # DP 2: test_validation_is_split_over_data_parallel_engine_replicas_with_partial_rollout
 )
 def test_two_process_run_under_torchrun(tmp_path, layout):
     run_dir = tmp_path / "run"
@@ -123,8 +121,6 @@ def test_two_process_run_under_torchrun(tmp_path, layout):
     )
     rows = read_rows(run_dir)
     assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 for r in rows)
-    if "rollout.partial_rollout=true" in layout:
-        assert all(r["dynamic_sampling/kept_groups"] == 4 and "rollout/unfinished_groups" in r for r in rows)
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["tensor_model_parallel_size"] in (1, 2)
 
 
@@ -241,13 +237,19 @@ def test_validation_during_training_logs_held_out_metrics_and_draws_them(tmp_pat
     assert {k: rows[0][f"eval/held/{k}"] for k in standalone} == pytest.approx(standalone)
 
 
-def test_validation_is_split_over_data_parallel_engine_replicas(tmp_path):
+def test_validation_is_split_over_data_parallel_engine_replicas_with_partial_rollout(tmp_path):
+    """Two processes at DP 2 (one run for both): two engine replicas, each stopping its share of a round, the
+    unfinished groups gathered on every rank; and the held-out validation split over the replicas."""
     run_dir, held_out = tmp_path / "run", tmp_path / "held.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"What is {a}+1?\n", "answer": a + 1}) + "\n" for a in range(5)))
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     evaluation = [f"data.eval_files={held_out}", "trainer.eval_interval=2", "trainer.eval_k=2"]
-    cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", *evaluation, f"logging.run_dir={run_dir}",
-        "logging.wandb.mode=disabled", launcher=launcher)  # fmt: skip
+    partial = ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"]
+    cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", *evaluation, *partial,
+        f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled", launcher=launcher)  # fmt: skip
     rows = read_rows(run_dir)
+    training = [r for r in rows if "actor/train_tokens" in r]
+    assert len(training) == 2 and all(r["actor/train_tokens"] > 0 for r in training)
+    assert all(r["dynamic_sampling/kept_groups"] == 4 and "rollout/unfinished_groups" in r for r in training)
     assert [r["step"] for r in rows if "eval/held/avg@2" in r] == [0, 2]
     assert all(r["eval/held/problems"] == 5 for r in rows if "eval/held/avg@2" in r)  # an odd count over 2 replicas

@@ -2,7 +2,7 @@
 refused in one line naming the file and the change (unless data.allow_changed_data), every config key set
 otherwise than in the save is listed in one warning; and rollout.verify_weights says what it checked at every
 push. Before: the changed file was used silently (or a resume past its end crashed with IndexError), config
-changes went unmentioned, and a passing check printed nothing. The tests share one saved run (2 steps) and
+changes went unmentioned, and a passing check printed nothing. The tests share one saved run (1 step) and
 resume copies of it."""
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ def write_prompts(path: Path, operands: range) -> Path:
 
 
 def train(run_dir: Path, data: Path, *extra: str, expect: int = 0):
-    return cli("train", "examples/smoke_cpu.yaml", *SHORT, f"data.source={data}", "checkpoint.save_interval=2",
+    return cli("train", "examples/smoke_cpu.yaml", *SHORT, f"data.source={data}", "checkpoint.save_interval=1",
                "logging.wandb.mode=disabled", "logging.progress=false", f"logging.run_dir={run_dir}", *extra,
                expect=expect)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """(run directory holding a save at step 2, the first run's output); data in <run dir>/../sums.jsonl."""
+    """(run directory holding a save at step 1, the first run's output); data in <run dir>/../sums.jsonl."""
     root = tmp_path_factory.mktemp("saved")
     data, run_dir = write_prompts(root / "sums.jsonl", range(12)), root / "run"
-    return run_dir, train(run_dir, data, "trainer.steps=2", "rollout.verify_weights=true")
+    return run_dir, train(run_dir, data, "trainer.steps=1", "rollout.verify_weights=true")
 
 
 def resumable_copy(saved, tmp_path: Path) -> tuple[Path, Path]:
@@ -46,7 +46,7 @@ def resumable_copy(saved, tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_verified_weight_push_says_what_it_checked(saved):
     run_dir, first = saved
-    assert first.stderr.count("weight push verified: ") == 3  # the first push, then one after each step
+    assert first.stderr.count("weight push verified: ") == 2  # the first push, then one after the step
     assert "taken by the engine match the actor's checksums" in first.stderr
     assert all(r["weight_sync/verified_tensors"] > 0 and r["weight_sync/verified_mib"] > 0 for r in read_rows(run_dir))
 
@@ -55,7 +55,7 @@ def test_a_data_file_changed_since_the_save_is_refused_unless_allowed(saved, tmp
     run_dir, data = resumable_copy(saved, tmp_path)
     size = data.stat().st_size
     write_prompts(data, range(3))  # cut to fewer rows than the save's position in it
-    resume = ["checkpoint.resume=auto", "trainer.steps=3"]
+    resume = ["checkpoint.resume=auto", "trainer.steps=2"]
     refused = train(run_dir, data, *resume, expect=2)
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith(
@@ -69,15 +69,15 @@ def test_a_data_file_changed_since_the_save_is_refused_unless_allowed(saved, tmp
     allowed = train(run_dir, data, *resume, "data.allow_changed_data=true")
     assert "data.allow_changed_data=true: continuing at the save's position" in allowed.stderr
     assert "(past its end: the next epoch starts)" in allowed.stderr
-    assert [r["step"] for r in read_rows(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in read_rows(run_dir)] == [0, 1]
 
 
 def test_every_config_key_changed_since_the_save_is_listed_in_one_warning(saved, tmp_path):
     run_dir, data = resumable_copy(saved, tmp_path)
-    changed = ["algorithm.clip_high=0.3", "trainer.micro_batch_size=8"]  # trainer.steps=2: nothing left to run
-    proc = train(run_dir, data, "checkpoint.resume=auto", "trainer.steps=2", *changed)
+    changed = ["algorithm.clip_high=0.3", "trainer.micro_batch_size=8"]  # trainer.steps=1: nothing left to run
+    proc = train(run_dir, data, "checkpoint.resume=auto", "trainer.steps=1", *changed)
     (warning,) = [line for line in proc.stderr.splitlines() if "config keys changed since the save" in line]
-    assert "resuming from step_000002 with 5 config keys changed since the save: " in warning
+    assert "resuming from step_000001 with 5 config keys changed since the save: " in warning
     for change in (f"data.source: '{saved[0].parent}/sums.jsonl' -> '{data}'", "algorithm.clip_high: 0.28 -> 0.3",
                    "trainer.micro_batch_size: 16 -> 8", f"logging.run_dir: '{saved[0]}' -> '{run_dir}'",
                    "rollout.verify_weights: True -> False"):  # fmt: skip
