@@ -108,7 +108,7 @@ def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics
 def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
     job_id, run_dir = submit(slurm_cluster, tmp_path, "cancelled")
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline and slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")
         time.sleep(0.2)
     slurm_cluster.run("scancel", str(job_id))  # SIGTERM to every process of the job, SIGKILL 30 s later
