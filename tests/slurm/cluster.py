@@ -388,10 +388,16 @@ class SlurmCluster:
     # ---------------------------------------------------------------- jobs
 
     def run(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        """A Slurm client command (scontrol, squeue, ...) against this cluster."""
-        proc = subprocess.run(
-            [_which(argv[0]) or argv[0], *argv[1:]], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
+        """A Slurm client command (scontrol, squeue, ...) against this cluster. A client killed by a signal is
+        tried again, twice: once `scontrol show job` died of SIGPIPE (-13) while a job re-queued, its connection
+        to slurmctld broken mid-reply, and failed a suite run."""
+        for _ in range(3):
+            proc = subprocess.run(
+                [_which(argv[0]) or argv[0], *argv[1:]], env=self.env, capture_output=True, text=True, timeout=timeout
+            )
+            if proc.returncode >= 0:
+                break
+            time.sleep(1.0)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
         return proc
