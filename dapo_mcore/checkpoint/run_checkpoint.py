@@ -220,8 +220,7 @@ class CheckpointManager:
         a save in flight whose writer or manager died cannot complete: it is dropped and WriterDied names the
         process (the trainer then saves synchronously and stops)."""
         problems = [p for p in all_gather_objects(self._writer_problem()) if p]
-        dead_manager = _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive()
-        if dead_manager:
+        if _dead_writer_manager() is not None:
             _restart_writer_manager()
         if not problems:
             return
@@ -247,8 +246,7 @@ class CheckpointManager:
     def _writer_problem(self) -> str | None:
         """This rank's dead writer-side process, named; None when every one is alive or ended normally."""
         rank = self.ctx.rank
-        if _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive():
-            process = _WRITER_MANAGER._process
+        if (process := _dead_writer_manager()) is not None:
             return f"rank {rank}: the write-results manager process (pid {process.pid}) {_fate(process)}"
         for call in self._async_queue.async_calls if self._async_queue is not None else ():
             process = getattr(call.async_caller, "process", None)
@@ -490,6 +488,13 @@ def _writer_results_queue_dies_with_us() -> None:
     _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
     _WRITER_MANAGER.start(initializer=die_with_parent)
     filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+
+def _dead_writer_manager() -> Any:
+    """The write-results manager's process if it died; None while it lives (or was never started)."""
+    if _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive():
+        return _WRITER_MANAGER._process
+    return None
 
 
 def _restart_writer_manager() -> None:
