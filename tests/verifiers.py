@@ -61,3 +61,29 @@ def kill_checkpoint_writer_manager(group) -> bool:
         os.kill(process.pid, signal.SIGKILL)
         process.join()
     return correctness_spread(group)
+
+
+def spread_pausing_in_the_first_attempt(group) -> bool:
+    """The demo's own filter (correctness_spread) that pauses DAPO_TEST_STEP_PAUSE seconds (default 0) at the first
+    group of each step (told by the rows in metrics.jsonl) in a Slurm job's first attempt (SLURM_RESTART_COUNT
+    unset or 0): slower steps that compute exactly the same thing, so that the attempt outlasts its time limit with
+    few steps while the re-queued attempt runs at full speed. Runs in the trainer processes; finds its run
+    directory in the command's arguments."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from dapo_mcore.rollout.sampler import correctness_spread
+
+    pause = float(os.environ.get("DAPO_TEST_STEP_PAUSE", "0"))
+    if pause > 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
+        metrics = run_dir / "metrics.jsonl"
+        step = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if step not in _PAUSED_STEPS:
+            _PAUSED_STEPS.add(step)
+            time.sleep(pause)
+    return correctness_spread(group)
+
+
+_PAUSED_STEPS: set[int] = set()

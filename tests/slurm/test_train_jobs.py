@@ -16,17 +16,22 @@ import pytest
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO, free_port
 
-# The demo recipe at DP=2 trains about 0.65 s a step here: 110 steps (about 70 s) do not fit in one attempt of a
-# 2-minute job warned 50 s ahead. Slurm's timer ticks every 30 s and warns 0-30 s early (tests/slurm/cluster.py):
-# the warning comes 40-70 s into an attempt, about 15 s of which go to start-up. At most 2 generation rounds a
-# step: uncapped, the late steps of the demo (accuracy 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s
-# each, and a job sharing the machine with the rest of the suite needed 5-6 attempts (issue 21).
-STEPS = 110
+# The demo recipe at DP=2 trains 0.65-1.3 s a step here (alone / beside the rest of the suite). Slurm's timer ticks
+# every 30 s and warns 0-30 s early (tests/slurm/cluster.py): on a 2-minute job warned 50 s ahead the warning comes
+# 40-70 s into an attempt, 10-26 s of which go to start-up, so an attempt trains 15-60 s. The time-limited job's
+# first attempt pauses STEP_PAUSE s in every step (tests.verifiers:spread_pausing_in_the_first_attempt, the demo's
+# own filter otherwise): its STEPS take 75 s or more, longer than any attempt's window, while the re-queued attempt
+# trains the rest (at most about 20 steps) at full speed. Without the pause the job needed 110 steps, and 2-5
+# attempts and 124-370 s beside the suite. At most 2 generation rounds a step: uncapped, the late steps of the
+# demo (accuracy 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s each (issue 21).
+STEPS = 24
+STEP_PAUSE = 2.5
 TIME_LIMIT = ["--time=2", "--signal=B:USR1@50"]
 RECIPE = [
     "examples/smoke_cpu.yaml",
     f"trainer.steps={STEPS}",
     "algorithm.dynamic_sampling.max_rounds=2",
+    "algorithm.dynamic_sampling.filter=tests.verifiers:spread_pausing_in_the_first_attempt",  # where asked
     "checkpoint.save_interval=0",  # no periodic save: only the time-limit warning saves
     "logging.wandb.mode=disabled",
     "logging.progress=false",
@@ -35,10 +40,10 @@ RECIPE = [
 CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
 
 
-def submit(cluster, tmp_path: Path, name: str, *options: str) -> tuple[int, Path]:
+def submit(cluster, tmp_path: Path, name: str, *options: str, step_pause: float = 0.0) -> tuple[int, Path]:
     run_dir = tmp_path / name
     env = {"DAPO_PYTHON": sys.executable, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore"}  # fmt: skip
+           "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause)}  # fmt: skip
     job_id = cluster.submit(
         REPO / "slurm/train.sbatch",
         *RECIPE,
@@ -85,7 +90,7 @@ def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninter
 def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics(
     slurm_cluster, tmp_path, uninterrupted
 ):
-    job_id, run_dir = submit(slurm_cluster, tmp_path, "limited", *TIME_LIMIT)
+    job_id, run_dir = submit(slurm_cluster, tmp_path, "limited", *TIME_LIMIT, step_pause=STEP_PAUSE)
     record = slurm_cluster.wait(job_id, timeout=900)
     out = job_output(tmp_path, "limited", job_id)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
