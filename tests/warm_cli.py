@@ -9,9 +9,13 @@ reads), a process group of its own, and the interpreter's normal exit (the CLI's
 server's loop: atexit handlers and non-daemon threads run as in any command). Only the imports are shared, and
 the server runs nothing of torch before forking (no thread pool to inherit).
 
-What is not run warm: runs under torchrun (its workers start their own interpreters), runs a test signals or
-kills (they use their own Popen), and a run whose environment differs from the server's (a new server is
-started for that environment, since variables are read at import time).
+`run_warm` waits for its run; `start_warm` returns at once with a WarmProcess that tests signal, kill and wait
+for as they would a Popen. A server runs one command at a time: a run started while its server is busy goes to
+another server for the same environment (started on first need).
+
+What is not run warm: runs under torchrun (its workers start their own interpreters), the test that is about the
+command's own start and exit, and a run whose environment differs from the server's (a new server is started for
+that environment, since variables are read at import time).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +56,7 @@ def serve() -> None:
         if pid == 0:
             replies.close()
             become_the_run(request)  # raises the command's SystemExit out of this loop: never returns here
+        replies.write(json.dumps({"pid": pid}) + "\n")
         returncode, timed_out = wait_for(pid, request["timeout"])
         replies.write(json.dumps({"returncode": returncode, "timed_out": timed_out}) + "\n")
 
@@ -91,32 +98,85 @@ def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
 
 # ---- the client (the test process) ---------------------------------------------------------------------------
 class WarmCli:
-    """One server for one environment; `run` is subprocess.run(capture_output=True, text=True) for the CLI."""
+    """One server for one environment, running one command at a time (`busy` while it does)."""
 
     def __init__(self, env: dict[str, str], cwd: Path):
         self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_cli"], cwd=cwd, env=env,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        if self.server.stdout.readline().strip() != "ready":
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        self.busy, self._unread = False, b""
+        if self.reply(timeout=None) != "ready":
             raise RuntimeError(f"the warm CLI server did not start (exit code {self.server.wait()})")
 
-    def run(self, argv: list[str], cwd: Path, timeout: float, out_dir: Path, env: dict[str, str], script=None):
-        stdout, stderr = out_dir / "stdout", out_dir / "stderr"  # out_dir: a fresh folder per run
-        request = dict(argv=argv, cwd=str(cwd), env=env, stdout=str(stdout), stderr=str(stderr), timeout=timeout)
-        request["script"] = str(script) if script else None
-        self.server.stdin.write(json.dumps(request) + "\n")
+    def reply(self, timeout: float | None) -> str | None:
+        """The server's next line, or None when none comes within `timeout` seconds. Read from the pipe itself
+        (no buffered reader): select then tells truly whether a line is on its way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.server.stdout.fileno()
+        while b"\n" not in self._unread:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the warm CLI server ended (exit code {self.server.wait()})")
+            self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
+        return line.decode()
+
+    def start(self, argv: list[str], cwd: Path, timeout: float, env: dict[str, str], script=None) -> WarmProcess:
+        out_dir = Path(tempfile.mkdtemp(prefix="warm-run-"))  # the run's stdout and stderr files
+        request = dict(argv=argv, cwd=str(cwd), env=env, timeout=timeout, script=str(script) if script else None,
+                       stdout=str(out_dir / "stdout"), stderr=str(out_dir / "stderr"))  # fmt: skip
+        self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
-        reply = self.server.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the warm CLI server ended (exit code {self.server.wait()})")
-        reply = json.loads(reply)
+        self.busy = True
+        pid = json.loads(self.reply(timeout=None))["pid"]
         cmd = [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *argv]
-        out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-        if reply["timed_out"]:
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err)
-        return subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
+        return WarmProcess(self, cmd, pid, out_dir)
 
 
-_servers: dict[tuple, WarmCli] = {}  # one per environment (few: the CLI's and the torchrun workers')
+class WarmProcess:
+    """A command running in a process forked from a warm server, used as a subprocess.Popen(text=True) with
+    stdout and stderr piped is: pid, poll(), wait(), send_signal(), kill(), communicate(), returncode. The exit
+    code is reported by the server (its parent): -N for a signal, as Popen's."""
+
+    def __init__(self, server: WarmCli, args: list[str], pid: int, out_dir: Path):
+        self.args, self.pid, self.returncode, self.timed_out = args, pid, None, False
+        self._server, self._out_dir, self._output = server, out_dir, ("", "")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._collect(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._collect(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self._output
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _collect(self, timeout: float | None) -> bool:
+        line = self._server.reply(timeout)
+        if line is None:
+            return False
+        reply = json.loads(line)
+        self.returncode, self.timed_out, self._server.busy = reply["returncode"], reply["timed_out"], False
+        self._output = tuple((self._out_dir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+        shutil.rmtree(self._out_dir, ignore_errors=True)
+        return True
+
+
+_servers: dict[tuple, list[WarmCli]] = {}  # per environment (few: the CLI's and the torchrun workers')
 
 
 def cli_env() -> dict[str, str]:
@@ -129,16 +189,26 @@ def cli_env() -> dict[str, str]:
 PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_PORT")
 
 
-def run_warm(argv: list[str], env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
-    """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) in a process forked from a warm server for
-    `env` (started on first use, again if it died); returns what subprocess.run(capture_output=True) would."""
+def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO) -> WarmProcess:
+    """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) started in a process forked from an idle warm
+    server for `env` (one is started when none is idle); the server ends the run after `timeout` seconds."""
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
-    key = tuple(sorted(server_env.items()))
-    server = _servers.get(key)
-    if server is None or server.server.poll() is not None:
-        server = _servers[key] = WarmCli(server_env, cwd)
-    with tempfile.TemporaryDirectory(prefix="warm-run-") as out_dir:
-        return server.run([str(a) for a in argv], cwd, timeout, Path(out_dir), env, script)
+    servers = _servers.setdefault(tuple(sorted(server_env.items())), [])
+    servers[:] = [s for s in servers if s.server.poll() is None]  # a dead server is replaced
+    server = next((s for s in servers if not s.busy), None)
+    if server is None:
+        server = WarmCli(server_env, cwd)
+        servers.append(server)
+    return server.start([str(a) for a in argv], cwd, timeout, env, script)
+
+
+def run_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
+    """start_warm's command, waited for: returns what subprocess.run(capture_output=True, text=True) would."""
+    proc = start_warm(argv, env, timeout, script, cwd)
+    out, err = proc.communicate()
+    if proc.timed_out:
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 if __name__ == "__main__":

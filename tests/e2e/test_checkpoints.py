@@ -18,6 +18,7 @@ from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
 from dapo_mcore.utils.errors import CheckpointError
 from tests.conftest import REPO, free_port
 from tests.e2e.test_train_cli import SHORT, cli, read_rows
+from tests.warm_cli import cli_env, start_warm
 
 STEPS = 6
 # Saves after steps 2, 4 and 6 (step_000002 ... step_000006: the next step to run), all three kept.
@@ -57,13 +58,10 @@ def reference(checkpoint_reference) -> Path:
 
 
 def run_until_killed(run_dir: Path, kill_after_rows: int, *extra: str) -> None:
-    """Start a run and SIGKILL it (the whole process group, as Slurm does at the time limit) as soon as
-    `kill_after_rows` steps are logged: the run is then in the middle of the next step."""
-    cmd = [sys.executable, "-m", "dapo_mcore.cli", *train_args(run_dir, "checkpoint.hf_export_interval=3", *extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    """Start a run (in a process group of its own, forked from a warm server: tests/warm_cli.py) and SIGKILL the
+    whole group, as Slurm does at the time limit, as soon as `kill_after_rows` steps are logged: the run is then
+    in the middle of the next step."""
+    proc = start_warm(train_args(run_dir, "checkpoint.hf_export_interval=3", *extra), cli_env(), timeout=300)
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after_rows:
@@ -72,7 +70,7 @@ def run_until_killed(run_dir: Path, kill_after_rows: int, *extra: str) -> None:
         time.sleep(0.02)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, (
-        f"the run ended on its own ({proc.returncode}): " + proc.stderr.read().decode()[-3000:]
+        f"the run ended on its own ({proc.returncode}): " + proc.communicate()[1][-3000:]
     )
 
 

@@ -5,11 +5,8 @@ false. After a SIGKILL of the run no process of it survives either (workers get 
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,20 +14,21 @@ import psutil
 import pytest
 
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
-from tests.conftest import REPO
 from tests.e2e.test_train_cli import read_rows
+from tests.warm_cli import WarmProcess, cli_env, start_warm
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=500",
-           "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
-           "trainer.micro_batch_size=16", "checkpoint.save_interval=1", "logging.wandb.mode=disabled",
-           "logging.progress=false", f"logging.run_dir={run_dir}", *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(run_dir: Path, *extra: str) -> WarmProcess:
+    """The CLI run, forked from a warm server (tests/warm_cli.py: the run is a process of its own, as started by
+    `python -m dapo_mcore.cli`, without paying the imports)."""
+    argv = ["train", "examples/smoke_cpu.yaml", "trainer.steps=500",
+            "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
+            "trainer.micro_batch_size=16", "checkpoint.save_interval=1", "logging.wandb.mode=disabled",
+            "logging.progress=false", f"logging.run_dir={run_dir}", *extra]  # fmt: skip
+    return start_warm(argv, cli_env(), timeout=600)
 
 
-def wait_for_training(proc: subprocess.Popen, run_dir: Path, rows: int = 2) -> list[psutil.Process]:
+def wait_for_training(proc: WarmProcess, run_dir: Path, rows: int = 2) -> list[psutil.Process]:
     """Once `rows` steps are logged (a save has run), the run's process tree."""
     deadline = time.time() + 180
     metrics = run_dir / "metrics.jsonl"
@@ -46,7 +44,7 @@ def gone(processes: list[psutil.Process], within_s: float = 15.0) -> list[psutil
     return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def stopped(proc: subprocess.Popen, sig: int, code: int, children: list[psutil.Process], run_dir: Path) -> str:
+def stopped(proc: WarmProcess, sig: int, code: int, children: list[psutil.Process], run_dir: Path) -> str:
     """Send `sig`; check the exit code, no traceback, no child left, the lock released; returns the last line."""
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
