@@ -38,16 +38,29 @@ def die_with_parent() -> None:
 
 
 def end_children(timeout_s: float = 2.0) -> int:
-    """Terminate (then kill) every process below this one; returns how many there were. (Our own workers
-    ignore SIGTERM: they are killed after `timeout_s`.)"""
+    """Terminate (then kill) every process below this one; returns how many there were. Our own workers ignore
+    SIGTERM (die_with_parent): they are killed at once rather than after `timeout_s`."""
     import psutil
 
     children = psutil.Process().children(recursive=True)
     for child in children:
         with contextlib.suppress(psutil.Error):
-            child.terminate()
+            if _ignores_sigterm(child.pid):
+                child.kill()
+            else:
+                child.terminate()
     _, alive = psutil.wait_procs(children, timeout=timeout_s)
     for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
     return len(children)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether SIGTERM is in the process's ignored-signals mask (Linux /proc; False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next(line.split()[1] for line in status if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)

@@ -168,3 +168,21 @@ def test_a_mark_that_cannot_be_written_leaves_the_stop_as_it_was(monkeypatch, tm
     with pytest.raises(launch.StoppedToResume, match="nothing trained since the newest save"):
         trainer.stop_if_signalled(run, next_step=3, saved_step=3)
     assert not (tmp_path / "missing-dir").exists()
+
+
+def test_end_children_kills_workers_that_ignore_sigterm_without_waiting_for_them(tmp_path):
+    import subprocess
+
+    from dapo_mcore.utils.processes import end_children
+
+    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+    marking = (f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'termed')!r},"
+               " 'w').close(), sys.exit(0))); print(flush=True); time.sleep(600)")  # fmt: skip
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for code in (ignoring, marking)]
+    for worker in workers:
+        worker.stdout.readline()  # started, its SIGTERM disposition set
+    started = time.monotonic()
+    assert end_children(timeout_s=30) == 2
+    assert time.monotonic() - started < 20  # not the 30 s a worker that ignores SIGTERM would be given
+    assert all(w.poll() is not None for w in workers)  # both ended (reaped by end_children)
+    assert (tmp_path / "termed").exists()  # the other one was asked first, with SIGTERM
