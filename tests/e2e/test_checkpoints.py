@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
@@ -173,6 +174,11 @@ def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
         launcher=launcher,
     )
     assert "saved at layout {'tp': 2, 'pp': 1" in proc.stderr
+    # both two-process runs trained (the CLI under torchrun at TP 2 and at PP 2) and recorded their layout
+    for run_dir, layout in ((ref_dir, (2, 1)), (moved_dir, (1, 2))):
+        assert all(row["actor/train_tokens"] > 0 for row in read_rows(run_dir))
+        parallel = yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]
+        assert (parallel["tensor_model_parallel_size"], parallel["pipeline_model_parallel_size"]) == layout
     (resumed,) = read_rows(moved_dir)
     reference = read_rows(ref_dir)[2]
     assert resumed["step"] == 2
