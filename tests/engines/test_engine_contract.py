@@ -26,7 +26,7 @@ from dapo_mcore.rollout.base import AnswerRequest, EngineSettings, SamplingParam
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.utils.errors import CheckpointError, ConfigError
 from dapo_mcore.weight_sync.verify import checksums, verified
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, run_torchrun
 
 # The demo model: trained, so its next-token choices are decisive and greedy decoding is well defined.
 MODEL = REPO / "examples/models/tiny-arith"
@@ -94,14 +94,19 @@ def prompt_ids(tokenizer) -> list[list[int]]:
 
 
 def actor_reference(tmp_path: Path, prompts: list[list[int]], samples: list[tuple[list[int], list[int]]]) -> dict:
-    """Greedy decode and log-probs from the Megatron-Core actor, in its own process (gloo CPU mode)."""
+    """Greedy decode and log-probs from the Megatron-Core actor, in its own process (gloo CPU mode): forked from
+    the tests' warm server in this Python, a one-process torchrun from SGLang's environment (ACTOR_PYTHON)."""
     job, out = tmp_path / "job.pt", tmp_path / "out.pt"
     torch.save({"prompts": prompts, "max_new_tokens": MAX_NEW, "samples": samples}, job)
-    cmd = [ACTOR_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}"]
-    cmd += [str(Path(__file__).with_name("actor_reference.py")), str(MODEL), str(job), str(out)]
+    script, args = Path(__file__).with_name("actor_reference.py"), [str(MODEL), str(job), str(out)]
     # CPU mode refuses a machine with a visible GPU; the reference hides it (the GPU engine cases run beside it)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    hide_gpu = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.is_available() else {}
+    if sys.executable == ACTOR_PYTHON:
+        run_torchrun(script, 1, *args, timeout=300, env=hide_gpu)
+        return torch.load(out)
+    cmd = [ACTOR_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **hide_gpu}
+    proc = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
