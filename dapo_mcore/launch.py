@@ -19,7 +19,9 @@ unwinds at once as before (`Terminated`, exit 143), keeping every complete save.
 SIGINT (Ctrl-C) raises KeyboardInterrupt at once (exit 130, no save), and is also remembered: Python drops an
 exception raised where it cannot propagate ("Exception ignored in ..."), e.g. in logging's at-fork hook when
 the signal lands while the checkpoint writer forks. A run whose KeyboardInterrupt was dropped so would
-train on; every rank stops at the next step boundary instead (`agreed_stop` returns "SIGINT").
+train on; every rank stops at the next step boundary instead (`agreed_stop` returns "SIGINT"). The same holds
+for `Terminated` (seen: dropped in a regex object's __del__ run by the garbage collector, after which the run
+ignored every further SIGTERM and trained on): `agreed_stop` returns "SIGTERM at once" (or "SIGUSR1 at once").
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dapo_mcore.utils.processes import Terminated
 # the tasks: Slurm signals every process of a job step, and the engine's or the verifiers' worker processes
 # would die of a SIGUSR1 they do not handle.
 STOP_FILE_ENV = "DAPO_STOP_FILE"
+AT_ONCE = " at once"  # appended to a signal's name: a stop whose Terminated was dropped (module doc)
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
 SAVED_STOP_SUFFIX = ".saved"
 
@@ -59,6 +62,7 @@ class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
 class _StopState:
     reason: str | None = None  # "SIGUSR1" / "SIGTERM" once one arrived
     interrupted: bool = False  # SIGINT arrived (its KeyboardInterrupt may have been dropped: module doc)
+    terminated: str | None = None  # the signal a Terminated was raised for (it too may have been dropped)
     run_pid: int = 0  # the process that installed the handlers (forked helpers inherit them)
     save_on_signal: bool = True
     sigterm_grace_s: float = 20.0
@@ -70,7 +74,7 @@ _state = _StopState()
 def install_stop_handlers() -> None:
     """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary;
     SIGINT stops at once, or at the next boundary where its KeyboardInterrupt was dropped."""
-    _state.reason, _state.interrupted, _state.run_pid = None, False, os.getpid()
+    _state.reason, _state.interrupted, _state.terminated, _state.run_pid = None, False, None, os.getpid()
     sys.unraisablehook = _quiet_about_dropped_interrupts
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGUSR1, _on_usr1)
@@ -86,6 +90,8 @@ def requested_stop() -> str | None:
     """Why this rank was asked to stop, if it was: a signal, or the stop file named by DAPO_STOP_FILE."""
     if _state.interrupted:
         return "SIGINT"
+    if _state.terminated:
+        return _state.terminated + AT_ONCE
     if _state.reason is None:
         stop_file = os.environ.get(STOP_FILE_ENV)
         if stop_file and os.path.exists(stop_file):
@@ -99,10 +105,15 @@ def agreed_stop() -> str | None:
     from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
 
     reasons = [r for r in all_gather_objects(requested_stop()) if r is not None]
-    for most_urgent in ("SIGINT", "SIGTERM"):
+    for most_urgent in ("SIGINT", "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGTERM"):
         if most_urgent in reasons:
             return most_urgent
     return reasons[0] if reasons else None
+
+
+def stops_at_once(reason: str) -> str | None:
+    """The signal of a stop that was to end the run at once (its Terminated was dropped), else None."""
+    return reason.removesuffix(AT_ONCE) if reason.endswith(AT_ONCE) else None
 
 
 def mark_saved_stop(stop: StoppedToResume) -> Path | None:
@@ -135,8 +146,9 @@ def _on_sigint(signum, frame) -> None:
 
 
 def _quiet_about_dropped_interrupts(unraisable) -> None:
-    """A dropped KeyboardInterrupt is handled at the step boundary: no "Exception ignored" traceback for it."""
-    if unraisable.exc_type is not KeyboardInterrupt:
+    """A dropped KeyboardInterrupt or Terminated is handled at the step boundary: no "Exception ignored"
+    traceback for it."""
+    if unraisable.exc_type not in (KeyboardInterrupt, Terminated):
         sys.__unraisablehook__(unraisable)
 
 
@@ -161,6 +173,7 @@ def _on_grace_over(signum, frame) -> None:
 def _terminate(name: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
         signal.signal(sig, signal.SIG_IGN)  # one unwinding at a time
+    _state.terminated = name  # in case Python drops the exception (module doc)
     raise Terminated(name)
 
 

@@ -21,13 +21,21 @@ from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.checkpoint.run_checkpoint import WriterDied
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.loader import config_to_dict
-from dapo_mcore.launch import StoppedToResume, agreed_stop, cancel_grace, configure_stop, mark_saved_stop
+from dapo_mcore.launch import (
+    StoppedToResume,
+    agreed_stop,
+    cancel_grace,
+    configure_stop,
+    mark_saved_stop,
+    stops_at_once,
+)
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb
 from dapo_mcore.utils.plot import plot_run
+from dapo_mcore.utils.processes import Terminated
 from dapo_mcore.utils.timers import PhaseTimer
 
 log = get_logger(__name__)
@@ -85,6 +93,8 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
         return
     if reason == "SIGINT":  # its KeyboardInterrupt was dropped on some rank (dapo_mcore.launch): stop at once
         raise KeyboardInterrupt
+    if signal_name := stops_at_once(reason):  # as SIGINT: a Terminated dropped on some rank
+        raise Terminated(signal_name)
     cancel_grace()
     trained_since_save = next_step != (saved_step if saved_step is not None else 0)
     path = save(run, next_step) if trained_since_save else None

@@ -96,6 +96,27 @@ def test_a_sigint_whose_keyboard_interrupt_was_dropped_is_still_a_stop_request(h
     assert capsys.readouterr().err == ""  # no "Exception ignored ... Traceback" for it
 
 
+def test_a_terminated_dropped_where_it_cannot_propagate_still_stops_at_the_boundary(handlers, capsys):
+    launch.configure_stop(save_on_signal=False, sigterm_grace_s=20.0)
+
+    class RaisesInDel:  # as a regex object's __del__ run by the garbage collector did in a suite run
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # the handler runs here and raises Terminated: Python drops it
+
+    RaisesInDel()
+    assert launch.requested_stop() == "SIGTERM at once"
+    assert capsys.readouterr().err == ""  # no "Exception ignored ... Traceback" for it
+
+
+def test_the_trainer_ends_a_run_whose_terminated_was_dropped_at_the_step_boundary(monkeypatch):
+    from dapo_mcore import trainer
+
+    monkeypatch.setattr(trainer, "agreed_stop", lambda: "SIGUSR1 at once")
+    with pytest.raises(Terminated, match="SIGUSR1"):
+        trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: it was to stop at once
+
+
 def test_sigint_raises_keyboard_interrupt_at_once(handlers):
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
@@ -109,6 +130,7 @@ def test_sigint_raises_keyboard_interrupt_at_once(handlers):
         ([None, "SIGUSR1"], "SIGUSR1"),
         (["SIGUSR1", "SIGTERM"], "SIGTERM"),
         (["SIGTERM", "SIGINT", None], "SIGINT"),  # a dropped Ctrl-C on one rank stops every rank at once
+        (["SIGTERM", "SIGUSR1 at once"], "SIGUSR1 at once"),  # so does a dropped Terminated
     ],
 )
 def test_every_rank_agrees_on_the_most_urgent_stop(monkeypatch, per_rank, agreed):
@@ -170,19 +192,30 @@ def test_a_mark_that_cannot_be_written_leaves_the_stop_as_it_was(monkeypatch, tm
     assert not (tmp_path / "missing-dir").exists()
 
 
+# Run in a process of its own: end_children ends every process below the caller (a pytest worker's below it
+# include the warm CLI servers and their runs).
+END_CHILDREN = """
+import signal, subprocess, sys, time
+from dapo_mcore.utils.processes import end_children
+ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
+marking = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], 'w').close(), "
+           "sys.exit(0))); print(flush=True); time.sleep(600)")
+workers = [subprocess.Popen([sys.executable, "-c", ignoring], stdout=subprocess.PIPE),
+           subprocess.Popen([sys.executable, "-c", marking, sys.argv[1]], stdout=subprocess.PIPE)]
+for worker in workers:
+    worker.stdout.readline()  # started, its SIGTERM disposition set
+started = time.monotonic()
+print(end_children(timeout_s=30), round(time.monotonic() - started, 1), [w.poll() is not None for w in workers])
+"""
+
+
 def test_end_children_kills_workers_that_ignore_sigterm_without_waiting_for_them(tmp_path):
     import subprocess
 
-    from dapo_mcore.utils.processes import end_children
-
-    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(600)"
-    marking = (f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'termed')!r},"
-               " 'w').close(), sys.exit(0))); print(flush=True); time.sleep(600)")  # fmt: skip
-    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for code in (ignoring, marking)]
-    for worker in workers:
-        worker.stdout.readline()  # started, its SIGTERM disposition set
-    started = time.monotonic()
-    assert end_children(timeout_s=30) == 2
-    assert time.monotonic() - started < 20  # not the 30 s a worker that ignores SIGTERM would be given
-    assert all(w.poll() is not None for w in workers)  # both ended (reaped by end_children)
+    proc = subprocess.run([sys.executable, "-c", END_CHILDREN, str(tmp_path / "termed")], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    count, seconds, ended = proc.stdout.split(maxsplit=2)
+    assert int(count) == 2 and ended.strip() == "[True, True]"  # both ended (reaped by end_children)
+    assert float(seconds) < 20  # not the 30 s a worker that ignores SIGTERM would be given
     assert (tmp_path / "termed").exists()  # the other one was asked first, with SIGTERM
