@@ -99,6 +99,15 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=order)
 
 
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    """A run a test started on a warm server and did not wait for (the test failed first) is killed after it."""
+    yield
+    from tests.warm_cli import end_leftover_runs
+
+    end_leftover_runs()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

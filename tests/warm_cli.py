@@ -20,6 +20,7 @@ that environment, since variables are read at import time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -132,7 +133,9 @@ class WarmCli:
         self.busy = True
         pid = json.loads(self.reply(timeout=None))["pid"]
         cmd = [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *argv]
-        return WarmProcess(self, cmd, pid, out_dir)
+        proc = WarmProcess(self, cmd, pid, out_dir)
+        _running.add(proc)
+        return proc
 
 
 class WarmProcess:
@@ -171,9 +174,22 @@ class WarmProcess:
             return False
         reply = json.loads(line)
         self.returncode, self.timed_out, self._server.busy = reply["returncode"], reply["timed_out"], False
+        _running.discard(self)
         self._output = tuple((self._out_dir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
         shutil.rmtree(self._out_dir, ignore_errors=True)
         return True
+
+
+_running: set[WarmProcess] = set()  # started and not waited for
+
+
+def end_leftover_runs() -> None:
+    """Kill what a test started and did not wait for (it failed before): the run's whole process group, so that
+    it does not train on beside the next tests, and its server is free again."""
+    for proc in list(_running):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
 
 
 _servers: dict[tuple, list[WarmCli]] = {}  # per environment (few: the CLI's and the torchrun workers')
