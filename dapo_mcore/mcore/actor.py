@@ -11,7 +11,7 @@ over the whole mini-batch whatever the split.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -531,28 +531,33 @@ class MegatronActor(PolicyRunner):
         rank 0, which hold them), split into samples of this step's weights and older ones."""
         fresh, stale = [], []
         if self.ctx.is_last_stage and self.ctx.tp_rank == 0:  # TP ranks hold the same values
-            for micro in batches.mini_batches:
-                for mb in micro:
-                    for index, row, offset in mb.segments:
-                        sample = batches.samples[index]
-                        start = offset + len(sample.prompt_ids) - 1
-                        span = slice(start, start + len(sample.response_ids))
-                        diff = mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]
-                        (fresh if sample.policy_step == step else stale).append(diff)
+            for mb in _each_micro_batch(batches):
+                for sample, row, offset in _placed_samples(batches, mb):
+                    start = offset + len(sample.prompt_ids) - 1
+                    span = slice(start, start + len(sample.response_ids))
+                    diff = mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]
+                    (fresh if sample.policy_step == step else stale).append(diff)
         return _gathered(fresh), _gathered(stale)
+
+
+def _each_micro_batch(batches: StepBatches) -> Iterator[MicroBatch]:
+    return (mb for micro in batches.mini_batches for mb in micro)
+
+
+def _placed_samples(batches: StepBatches, mb: MicroBatch) -> Iterator[tuple[Sample, int, int]]:
+    """Each sample of micro-batch `mb` with where it sits: (sample, row, token offset of its first token)."""
+    return ((batches.samples[index], row, offset) for index, row, offset in mb.segments)
 
 
 def _mark_routing_compared(batches: StepBatches, step: int) -> None:
     """Set each micro-batch's routing_compared: the positions predicting a response token of an answer of this
     step's weights (as mismatch/: a carried-over answer's routing is that of older weights)."""
-    for micro in batches.mini_batches:
-        for mb in micro:
-            fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
-            for index, row, offset in mb.segments:
-                sample = batches.samples[index]
-                if sample.policy_step == step:
-                    fresh[row, offset : offset + sample_tokens(sample)] = True
-            mb.routing_compared = fresh & (mb.response_mask > 0)
+    for mb in _each_micro_batch(batches):
+        fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
+        for sample, row, offset in _placed_samples(batches, mb):
+            if sample.policy_step == step:
+                fresh[row, offset : offset + sample_tokens(sample)] = True
+        mb.routing_compared = fresh & (mb.response_mask > 0)
 
 
 def offloadable_state(optimizer: Any, model_params: list[torch.Tensor]) -> list[tuple[Any, Any]]:
