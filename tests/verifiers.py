@@ -45,15 +45,11 @@ def kill_checkpoint_writer_manager(group) -> bool:
     finds its run directory in the command's arguments."""
     import os
     import signal
-    import sys
-    from pathlib import Path
 
     from dapo_mcore.checkpoint import run_checkpoint
     from dapo_mcore.rollout.sampler import correctness_spread
 
-    run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
-    metrics = run_dir / "metrics.jsonl"
-    step = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    run_dir, step = _run_dir_and_step()
     marker = run_dir / f"killed-{step}"
     if step in (1, 2) and not marker.exists():
         process = run_checkpoint._WRITER_MANAGER._process
@@ -70,16 +66,12 @@ def spread_pausing_in_the_first_attempt(group) -> bool:
     few steps while the re-queued attempt runs at full speed. Runs in the trainer processes; finds its run
     directory in the command's arguments."""
     import os
-    import sys
-    from pathlib import Path
 
     from dapo_mcore.rollout.sampler import correctness_spread
 
     pause = float(os.environ.get("DAPO_TEST_STEP_PAUSE", "0"))
     if pause > 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-        run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
-        metrics = run_dir / "metrics.jsonl"
-        step = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        _, step = _run_dir_and_step()
         if step not in _PAUSED_STEPS:
             _PAUSED_STEPS.add(step)
             time.sleep(pause)
@@ -87,3 +79,14 @@ def spread_pausing_in_the_first_attempt(group) -> bool:
 
 
 _PAUSED_STEPS: set[int] = set()
+
+
+def _run_dir_and_step():
+    """In a trainer process: its run directory (from the command's arguments) and the step it is in (the rows
+    in metrics.jsonl so far)."""
+    import sys
+    from pathlib import Path
+
+    run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
+    metrics = run_dir / "metrics.jsonl"
+    return run_dir, len(metrics.read_text().splitlines()) if metrics.exists() else 0

@@ -99,12 +99,12 @@ def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
 
 # ---- the client (the test process) ---------------------------------------------------------------------------
 class WarmCli:
-    """One server for one environment, running one command at a time (`busy` while it does)."""
+    """One server for one environment, running one command at a time."""
 
     def __init__(self, env: dict[str, str], cwd: Path):
         self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_cli"], cwd=cwd, env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
-        self.busy, self._unread = False, b""
+        self._unread = b""
         if self.reply(timeout=None) != "ready":
             raise RuntimeError(f"the warm CLI server did not start (exit code {self.server.wait()})")
 
@@ -130,7 +130,6 @@ class WarmCli:
                        stdout=str(out_dir / "stdout"), stderr=str(out_dir / "stderr"))  # fmt: skip
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
-        self.busy = True
         pid = json.loads(self.reply(timeout=None))["pid"]
         cmd = [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *argv]
         proc = WarmProcess(self, cmd, pid, out_dir)
@@ -173,14 +172,14 @@ class WarmProcess:
         if line is None:
             return False
         reply = json.loads(line)
-        self.returncode, self.timed_out, self._server.busy = reply["returncode"], reply["timed_out"], False
+        self.returncode, self.timed_out = reply["returncode"], reply["timed_out"]
         _running.discard(self)
         self._output = tuple((self._out_dir / name).read_text(errors="replace") for name in ("stdout", "stderr"))
         shutil.rmtree(self._out_dir, ignore_errors=True)
         return True
 
 
-_running: set[WarmProcess] = set()  # started and not waited for
+_running: set[WarmProcess] = set()  # started and not waited for: their servers are busy
 
 
 def end_leftover_runs() -> None:
@@ -211,7 +210,8 @@ def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     servers = _servers.setdefault(tuple(sorted(server_env.items())), [])
     servers[:] = [s for s in servers if s.server.poll() is None]  # a dead server is replaced
-    server = next((s for s in servers if not s.busy), None)
+    busy = {proc._server for proc in _running}
+    server = next((s for s in servers if s not in busy), None)
     if server is None:
         server = WarmCli(server_env, cwd)
         servers.append(server)

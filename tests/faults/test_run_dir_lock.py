@@ -15,7 +15,8 @@ import pytest
 
 from dapo_mcore.utils.errors import RunLockError
 from dapo_mcore.utils.run_lock import RunLock, lock_path
-from tests.warm_cli import WarmProcess, cli_env, start_warm
+from tests.faults.test_signals import start
+from tests.warm_cli import WarmProcess
 
 
 def write_lock(run_dir: Path, host: str, pid: int, age_s: float = 0.0, **slurm) -> Path:
@@ -85,12 +86,8 @@ def test_a_requeued_slurm_job_takes_over_its_earlier_attempts_lock_at_once(tmp_p
 
 
 def start_run(run_dir: Path, steps: int) -> WarmProcess:
-    """The CLI run in a process of its own, forked from a warm server (tests/warm_cli.py)."""
-    argv = ["train", "examples/smoke_cpu.yaml", f"trainer.steps={steps}",
-            "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
-            "trainer.micro_batch_size=16", "checkpoint.save_interval=2", "logging.wandb.mode=disabled",
-            "logging.progress=false", f"logging.run_dir={run_dir}"]  # fmt: skip
-    return start_warm(argv, cli_env(), timeout=600)
+    """The demo run of the signal tests (a process of its own, forked from a warm server), `steps` long."""
+    return start(run_dir, f"trainer.steps={steps}", "checkpoint.save_interval=2")
 
 
 def test_a_second_run_into_a_live_run_directory_refuses_and_touches_nothing(tmp_path):
