@@ -3,8 +3,9 @@
 A naive head materialises logits for every position, [T, V/tp] in bf16 and again in fp32, and keeps both
 for backward: 25 GiB at 32k tokens x 128k vocab (REFERENCE.md section 5, complaint 5). Here the output
 layer becomes a pass-through, and only the response positions go through the chunked head. For `chunk`
-tokens at a time it computes z = hidden @ W_shard^T / T in fp32 and reduces it over the TP group to
-log p(label) and entropy. Peak extra memory is O(chunk x V/tp), whatever the number of tokens. Two modes:
+tokens at a time it computes z = hidden @ W_shard^T / T and reduces it over the TP group to log p(label) and
+entropy. Peak extra memory is O(chunk x V/tp), whatever the number of tokens, plus d W_shard [V/tp, H] in
+fp32 and d hidden [N, H]: no [N, V] tensor. Two modes:
 
 - `chunked_logprobs` (any use of the outputs: old log-probs, the reference model, any loss): keeps only
   the inputs and two scalars per token (the log-sum-exp and the entropy) for backward, where each chunk's
@@ -14,8 +15,17 @@ log p(label) and entropy. Peak extra memory is O(chunk x V/tp), whatever the num
   d W_shard are accumulated there, in the forward. It keeps d hidden [N, H] (hidden's dtype) and
   d W_shard [V/tp, H] (the weight's dtype, accumulated in fp32) from forward to backward, which only scales
   them by the loss's incoming gradient: no logits recompute. The recompute mode keeps neither (its backward
-  allocates the same two, briefly). Without an entropy term in the loss a chunk needs one [C, V/tp] buffer
-  (`_logp_grad_step`), with one two (`_logp_entropy_grad_step`).
+  allocates the same two, briefly). Without an entropy term in the loss a chunk needs one fp32 [C, V/tp]
+  buffer (`_logp_grad_step`), with one two (`_logp_entropy_grad_step`), plus a bf16 copy (below).
+
+Dtypes, as Megatron's output layer: every matmul over the vocab ([C, H] x [H, V/tp] for the logits,
+[C, V/tp] x [V/tp, H] for d hidden, [V/tp, C] x [C, H] for d W_shard) runs in the params' dtype (that of
+`weight` and `hidden`): an H100 runs fp32 matmuls at a fraction of its bf16 rate. The softmax, its sums and
+the per-token scalars are in fp32 (`_acc_dtype`), and the fp32 [C, V/tp] buffer (e or dL/dz) is cast to
+the params' dtype right before its matmuls: for a bf16 model one more bf16 [C, V/tp] buffer per chunk (half
+of an fp32 one), and a bf16 [V/tp, H] temporary per chunk for d W_shard's product (half of its fp32
+accumulator, see `_accumulate_mm`). d W_shard is accumulated over chunks in fp32, d hidden is written in
+hidden's dtype. For an fp32 or float64 model every cast is a no-op: nothing changes.
 
 Gradients (z = logits / T, p = softmax(z), per token):
     d logp(y) / dz = onehot(y) - p,      d H / dz = -p (z - E_p[z])
@@ -58,7 +68,8 @@ class _Shard:
         return ((a, min(a + self.chunk, n)) for a in range(0, n, self.chunk))
 
     def logits(self, hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """z = hidden_c @ W^T / T in (at least) fp32, padded vocab columns masked; one [C, V/tp] buffer."""
+        """z = hidden_c @ W^T / T, the matmul in the params' dtype, z in (at least) fp32, padded vocab columns
+        masked; one [C, V/tp] buffer."""
         z = (hidden_c @ weight.t()).to(_acc_dtype(hidden_c))
         if self.inv_temperature != 1.0:  # a pass over [C, V/tp] saved at T = 1
             z.mul_(self.inv_temperature)
@@ -69,6 +80,20 @@ class _Shard:
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, for a and b in the params' dtype and acc in `_acc_dtype` (d W over chunks).
+
+    A bf16 a @ b accumulates in fp32 inside the matmul and rounds its output to bf16 once per chunk, as
+    Megatron's wgrad does without gradient-accumulation fusion; the sum over chunks stays in fp32 (bf16 chunk
+    products added into a bf16 accumulator would lose the small ones). torch.mm(a, b, out_dtype=fp32) would
+    skip that rounding, but torch 2.13 implements it on CUDA only, not on the CPU.
+    """
+    if a.dtype == acc.dtype:  # fp32 / float64 model: in place, no [V/tp, H] temporary
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
 
 
 def _per_token_buffers(k: int, hidden: torch.Tensor) -> list[torch.Tensor]:
@@ -138,8 +163,8 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
         shard = ctx.shard
         if grad_logp is None:
             grad_logp = torch.zeros_like(log_sum_exp)
-        grad_hidden = torch.zeros_like(hidden, dtype=_acc_dtype(hidden))
-        grad_weight = torch.zeros_like(weight, dtype=grad_hidden.dtype)
+        grad_hidden = torch.empty_like(hidden)  # each chunk's rows are written once: no accumulation
+        grad_weight = torch.zeros_like(weight, dtype=_acc_dtype(weight))
         for a, b in shard.ranges(hidden.shape[0]):
             # shifted by the log-sum-exp, e is p itself (sum e = 1) and E_p[z - lse] = -H
             z = shard.logits(hidden[a:b], weight).sub_(log_sum_exp[a:b].unsqueeze(-1))
@@ -156,18 +181,18 @@ class _ChunkedLinearLogProb(torch.autograd.Function):
                 local_idx[a:b],
                 shard.inv_temperature,
             )
-            del z, ez
-            grad_hidden[a:b] = grad_z @ weight.to(grad_z.dtype)
-            grad_weight.addmm_(grad_z.t(), hidden[a:b].to(grad_z.dtype))
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None
+            del z, ez, e  # grad_z is e's buffer: it goes once its copy in the params' dtype exists
+            grad_z = grad_z.to(weight.dtype)
+            grad_hidden[a:b] = grad_z @ weight
+            _accumulate_mm(grad_weight, grad_z.t(), hidden[a:b])
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 @dataclass
 class _LossGradState:
     """What the loss-gradient forward reads and fills, chunk by chunk."""
 
-    weight: torch.Tensor  # [V/tp, H] as given: the logits matmul runs in its dtype, as in the other paths
-    weight_acc: torch.Tensor  # the same in fp32 for the gradient matmuls, converted once (a no-op in fp32)
+    weight: torch.Tensor  # [V/tp, H] as given: every matmul runs in its dtype
     logp: torch.Tensor
     entropy: torch.Tensor
     grad_hidden: torch.Tensor | None  # [N, H] in hidden's dtype (each chunk rounded once, as in backward)
@@ -180,15 +205,19 @@ def _logp_grad_step(state: _LossGradState, a, b, hidden_c, local_c, local_idx_c,
     With dL/dz = g (onehot(y) - p) / T:  d hidden = g (W_y - E_p[W]) / T  and
     d W = p^T (-g hidden / T) + onehot(y)^T (g hidden / T). E_p[W] = e @ W / sum e (e = exp(z - max), made
     in place of z) is d hidden's matmul, and it also gives the entropy: E_p[z] = hidden . E_p[W] / T.
+    Both matmuls take e in the params' dtype (a copy: sum e stays that of the fp32 e, so log-probs are those
+    of the other paths); the entropy then carries E_p[W]'s rounding to bf16, about that of bf16 logits.
     """
     z = shard.logits(hidden_c, state.weight)
     z_max = z.amax(dim=-1)
     _all_reduce(z_max, shard.tp_group, dist.ReduceOp.MAX)
     target = z.sub_(z_max.unsqueeze(-1)).gather(-1, local_idx_c.unsqueeze(-1)).squeeze(-1) * local_c
-    e = z.exp_()
-    hidden_acc = hidden_c.to(e.dtype)
-    e_w = e @ state.weight_acc  # [C, H]: this shard's sum_v e_v W_v
-    sums = torch.stack([e.sum(dim=-1), target, (hidden_acc * e_w).sum(dim=-1) * shard.inv_temperature])
+    sum_e = z.exp_().sum(dim=-1)  # e = exp(z - max) in z's buffer
+    e = z.to(state.weight.dtype)
+    del z  # a bf16 model's fp32 e goes once its bf16 copy exists
+    hidden_acc = hidden_c.to(sum_e.dtype)
+    e_w = (e @ state.weight).to(sum_e.dtype)  # [C, H]: this shard's sum_v e_v W_v
+    sums = torch.stack([sum_e, target, (hidden_acc * e_w).sum(dim=-1) * shard.inv_temperature])
     _all_reduce(sums, shard.tp_group)
     sum_e, log_sum_e = sums[0], sums[0].log()
     state.logp[a:b], state.entropy[a:b] = sums[1] - log_sum_e, z_max + log_sum_e - sums[2] / sum_e
@@ -198,9 +227,9 @@ def _logp_grad_step(state: _LossGradState, a, b, hidden_c, local_c, local_idx_c,
     scale_p = (grad_logp * (-shard.inv_temperature) / sum_e).unsqueeze(-1)
     scale_label = (grad_logp * local_c * shard.inv_temperature).unsqueeze(-1)
     if state.grad_hidden is not None:
-        state.grad_hidden[a:b] = e_w.mul_(scale_p).addcmul_(state.weight_acc[local_idx_c], scale_label)
+        state.grad_hidden[a:b] = e_w.mul_(scale_p).addcmul_(state.weight[local_idx_c], scale_label)
     if state.grad_weight is not None:
-        state.grad_weight.addmm_(e.t(), hidden_acc * scale_p)
+        _accumulate_mm(state.grad_weight, e.t(), (hidden_acc * scale_p).to(e.dtype))
         state.grad_weight.index_add_(0, local_idx_c, hidden_acc * scale_label)
 
 
@@ -213,11 +242,12 @@ def _logp_entropy_grad_step(state: _LossGradState, a, b, hidden_c, local_c, loca
     grad_z = _grad_logits(
         e, ez, 1.0 / sum_e, shifted_mean, grad_logp, grad_entropy, local_c, local_idx_c, shard.inv_temperature
     )
-    del ez
+    del e, ez  # grad_z is e's buffer: it goes once its copy in the params' dtype exists
+    grad_z = grad_z.to(state.weight.dtype)
     if state.grad_hidden is not None:
-        state.grad_hidden[a:b] = grad_z @ state.weight_acc
+        state.grad_hidden[a:b] = grad_z @ state.weight
     if state.grad_weight is not None:
-        state.grad_weight.addmm_(grad_z.t(), hidden_c.to(grad_z.dtype))
+        _accumulate_mm(state.grad_weight, grad_z.t(), hidden_c)
 
 
 class _ChunkedLinearLogProbLossGrad(torch.autograd.Function):
@@ -229,7 +259,6 @@ class _ChunkedLinearLogProbLossGrad(torch.autograd.Function):
         acc = _acc_dtype(hidden)
         state = _LossGradState(
             weight,
-            weight.to(acc),
             *_per_token_buffers(2, hidden),
             grad_hidden=torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
             grad_weight=torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None,
@@ -264,7 +293,10 @@ def chunked_logprobs(
     tp_group=None,
     chunk: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(labels), entropy) for hidden [N, H] against this rank's vocab shard weight [V/tp, H]."""
+    """(log p(labels), entropy) for hidden [N, H] against this rank's vocab shard weight [V/tp, H].
+
+    The matmuls (logits, and in backward d hidden and d W) run in the params' dtype, the softmax in fp32.
+    """
     shard = _shard(vocab_start, true_vocab, temperature, tp_group, chunk)
     return _ChunkedLinearLogProb.apply(hidden, weight, labels, shard)
 
@@ -289,6 +321,7 @@ def chunked_logprobs_with_loss_grad(
     log-probs and entropies carry no gradient: add `anchor` (a zero) to the loss, times any constant factor
     the loss applies after the per-token sum, and its gradient reaches hidden and weight.
     entropy_grad=False (L has no entropy term) takes the one-buffer path without an elementwise gradient pass.
+    The matmuls (logits, d hidden, d W) run in the params' dtype, the softmax and the loss's gradient in fp32.
     """
     shard = _shard(vocab_start, true_vocab, temperature, tp_group, chunk)
     return _ChunkedLinearLogProbLossGrad.apply(hidden, weight, labels, shard, loss_grad, entropy_grad)
