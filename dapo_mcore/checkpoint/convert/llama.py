@@ -60,6 +60,9 @@ class LlamaFamilyMap:
         self.spec, self.te_layer_names = spec, te_layer_names
         self._rules = self._build_rules(te_layer_names)
         self._patterns = [(_regex(r.mcore), r) for r in self._rules]
+        # each rule's layers, once: the weight export looks up every tensor's name on every push (12k expert
+        # tensors at 30B-A3B), and rebuilding the list per lookup cost O(layers) each time
+        self._layers = {kind: self._layers_of(kind) for kind in ("all", "dense", "moe")}
 
     def mcore_names(self) -> list[str]:
         """Every Megatron parameter name of the whole model, global layer and expert indices."""
@@ -68,7 +71,7 @@ class LlamaFamilyMap:
             if "{i}" not in rule.mcore:
                 names.append(rule.mcore)
                 continue
-            for i in self._layers_of(rule):
+            for i in sorted(self._layers[rule.layers]):
                 experts = range(self.spec.num_experts) if "{e}" in rule.mcore else [0]
                 names += [rule.mcore.format(i=i, e=e) for e in experts]
         return names
@@ -87,17 +90,18 @@ class LlamaFamilyMap:
         rule, index = self._match(mcore_name)
         return [(t.format(**index), piece) for t, piece in zip(rule.hf, rule.split(tensor))]
 
-    def _layers_of(self, rule: _Rule) -> list[int]:
+    def _layers_of(self, kind: str) -> frozenset[int]:
+        """The global layer indices a rule of `kind` ("all", "dense", "moe") covers."""
         layers = range(self.spec.num_layers)
-        if rule.layers == "all":
-            return list(layers)
+        if kind == "all":
+            return frozenset(layers)
         sparse = self.spec.moe_layers or (False,) * self.spec.num_layers
-        return [i for i in layers if sparse[i] == (rule.layers == "moe")]
+        return frozenset(i for i in layers if sparse[i] == (kind == "moe"))
 
     def _match(self, mcore_name: str) -> tuple[_Rule, dict[str, int]]:
         for pattern, rule in self._patterns:
             m = pattern.match(mcore_name)
-            if m and (m.groupdict().get("i") is None or int(m.group("i")) in self._layers_of(rule)):
+            if m and (m.groupdict().get("i") is None or int(m.group("i")) in self._layers[rule.layers]):
                 return rule, {k: int(v) for k, v in m.groupdict().items()}
         raise KeyError(f"no HF mapping for Megatron parameter '{mcore_name}'")
 
