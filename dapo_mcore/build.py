@@ -23,9 +23,10 @@ from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import config_changes, config_to_dict
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list, run_dir_of
+from dapo_mcore.data.batching import DataParallelSplit
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts, source_fingerprint
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
-from dapo_mcore.data.types import Prompt
+from dapo_mcore.data.types import NO_EXPERT, Prompt
 from dapo_mcore.launch import check_all_reduce, check_this_task, path_problems, raise_shared, room_problem
 from dapo_mcore.mcore.actor import (
     ActorSettings,
@@ -46,7 +47,7 @@ from dapo_mcore.mcore.provider import (
 from dapo_mcore.parallel import (
     ParallelContext,
     all_gather_objects,
-    all_gather_padded,
+    all_to_all_on_host,
     broadcast_object,
     destroy_parallel,
     init_parallel,
@@ -195,21 +196,16 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     prompts = build_prompt_setup(cfg, tokenizer, spec)
     use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu, cfg.model.fp8)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id, use_te=use_te)
-    chunks, family = load_policy_chunks(cfg, ctx, spec)
-    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
-    reference = None
-    if cfg.algorithm.kl.beta > 0.0:  # the paper has no KL term: then no reference model is built or run
-        reference = build_reference(ctx, spec, load_policy_chunks(cfg, ctx, spec)[0], settings)
-        log.info(
-            "KL penalty on (beta=%g, %s): reference model built", cfg.algorithm.kl.beta, cfg.algorithm.kl.estimator
-        )
-    else:
-        log.info("KL penalty off (algorithm.kl.beta=0): no reference model")
-    engine = create_engine(cfg.rollout.engine, engine_settings(cfg, ctx, routing=returns_routing(cfg, spec)))
+    engine = start_engine(cfg, ctx, spec)
+    try:
+        actor, reference, family = build_policies(cfg, ctx, spec, settings)
+    except BaseException:
+        engine.shutdown()
+        raise
     exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
     reward = cfg.algorithm.reward
     verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
-    sampler = build_sampler(cfg, ctx, engine, prompts, verifiers)
+    sampler = build_sampler(cfg, ctx, engine, prompts, verifiers, actor.dp_split)
     validator = build_validator(cfg, ctx, engine, prompts, verifiers)
     writer = None
     if ctx.rank == 0:
@@ -236,6 +232,35 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         validator,
         lock,
     )
+
+
+def start_engine(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> RolloutEngine:
+    """The rollout engine, started before the actor allocates anything on the GPU: vLLM refuses to start unless
+    rollout.gpu_memory_utilization x the GPU is free (the plan's "engine start" line), which the actor's
+    weights, gradient buffers and optimizer state would take (30B-A3B: 35 of the 47.5 GiB asked). It then
+    sleeps (its KV cache and weights released) so the actor can be built; the first weight push wakes it."""
+    settings = engine_settings(cfg, ctx, routing=returns_routing(cfg, spec))
+    with torch.random.fork_rng(devices=[]):  # an engine's own initialisation must not move the run's streams
+        engine = create_engine(cfg.rollout.engine, settings)
+    engine.release_memory()
+    return engine
+
+
+def build_policies(
+    cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, settings: ActorSettings
+) -> tuple[MegatronActor, PolicyRunner | None, LlamaFamilyMap]:
+    """The actor (with DDP and its optimizer) and, with a KL penalty, the frozen reference policy."""
+    chunks, family = load_policy_chunks(cfg, ctx, spec)
+    actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
+    reference = None
+    if cfg.algorithm.kl.beta > 0.0:  # the paper has no KL term: then no reference model is built or run
+        reference = build_reference(ctx, spec, load_policy_chunks(cfg, ctx, spec)[0], settings)
+        log.info(
+            "KL penalty on (beta=%g, %s): reference model built", cfg.algorithm.kl.beta, cfg.algorithm.kl.estimator
+        )
+    else:
+        log.info("KL penalty off (algorithm.kl.beta=0): no reference model")
+    return actor, reference, family
 
 
 def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> tuple[list[Any], LlamaFamilyMap]:
@@ -333,12 +358,18 @@ def check_routing_replay(cfg: RunConfig, spec: ModelSpec) -> None:
     problem = routing_unavailable(cfg.rollout.engine, _engine_device(cfg))
     if problem:
         raise ConfigError(f"model.routing_replay={cfg.model.routing_replay}: {problem}")
+    if spec.num_experts > NO_EXPERT:
+        raise ConfigError(
+            f"model.routing_replay={cfg.model.routing_replay}: {spec.num_experts} experts do not fit the routing's "
+            f"uint8 expert ids (at most {NO_EXPERT}); use model.routing_replay=off"
+        )
 
 
 def returns_routing(cfg: RunConfig, spec: ModelSpec) -> bool:
-    """Whether the engine is asked for its routing: for every MoE run whose engine can return it (replay, or
-    the agreement metric alone)."""
-    return spec.is_moe and routing_unavailable(cfg.rollout.engine, _engine_device(cfg)) is None
+    """Whether the engine is asked for its routing: only for routing replay (model.routing_replay=rollout). It
+    costs layers x top-k bytes a token (384 at 30B-A3B, 48 x the token and its log-prob) from the engine to
+    the ranks that train each answer; without replay nothing would use it but the agreement metric."""
+    return spec.is_moe and cfg.model.routing_replay == "rollout"
 
 
 def _engine_device(cfg: RunConfig) -> str:
@@ -452,8 +483,15 @@ def prompt_length_limit(cfg: RunConfig, spec: ModelSpec) -> tuple[int, str]:
 
 
 def build_sampler(
-    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, prompts: PromptSetup, verifiers: VerifierPool
+    cfg: RunConfig,
+    ctx: ParallelContext,
+    engine: RolloutEngine,
+    prompts: PromptSetup,
+    verifiers: VerifierPool,
+    dp_split: DataParallelSplit,
 ) -> RolloutSampler:
+    """The sampler; it sends each chosen sample's tokens only to the ranks of the DP rank that trains it
+    (dp_split: the actor's own deal, over the trainer's mini-batches), over the host (the gloo wait group)."""
     filter_spec = cfg.algorithm.dynamic_sampling.filter
     keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
     if cfg.rollout.partial_rollout and cfg.algorithm.mismatch.tis == "none" and ctx.rank == 0:
@@ -473,7 +511,9 @@ def build_sampler(
         all_gather=partial(all_gather_objects, group=ctx.wait_group),  # after generating: a long wait
         keep_filter=keep_filter,
         engine_tp_size=cfg.rollout.engine_tp_size,
-        all_gather_padded=partial(all_gather_padded, device=ctx.device),
+        exchange=partial(all_to_all_on_host, group=ctx.wait_group),
+        dp_rank_of=all_gather_objects(ctx.dp_rank),
+        trainers_of=partial(dp_split.trainers, mini_batch_size=cfg.trainer.mini_batch_size),
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo_mcore.data.types import Sample
+from dapo_mcore.data.types import NO_EXPERT, ROUTING_DTYPE, Sample, routing_tensor
 
 
 @dataclass
@@ -44,8 +44,8 @@ class MicroBatch:
     # [b, s] bool, True at padding positions (no sample's token): mixture-of-experts routers leave them out
     # of their load-balancing loss (Megatron's padding_mask).
     padding: torch.Tensor | None = None
-    # [b, s, layers, k] int16: the experts the engine routed each input token to (Sample.routed_experts at
-    # the sample's token positions), -1 where none (padding, a sample's last token, no routing returned);
+    # [b, s, layers, k] uint8: the experts the engine routed each input token to (Sample.routed_experts at
+    # the sample's token positions), NO_EXPERT where none (padding, a sample's last token, no routing);
     # None when no sample of the micro-batch has routing.
     routing: torch.Tensor | None = None
     # [b, s] bool, set by the actor: where the routing agreement is counted (positions predicting a response
@@ -125,13 +125,13 @@ def _lay_out(sample: Sample, row: int, offset: int, tokens: torch.Tensor, per_to
 
 
 def _empty_routing(samples: list[Sample], b: int, s: int) -> torch.Tensor | None:
-    """[b, s, layers, k] of -1, shaped after the samples' routing; None when none has any."""
+    """[b, s, layers, k] of NO_EXPERT, shaped after the samples' routing; None when none has any."""
     shapes = {tuple(x.routed_experts.shape[1:]) for x in samples if x.routed_experts is not None}
     if not shapes:
         return None
     if len(shapes) > 1:
         raise ValueError(f"routed experts of different shapes (layers, k) in one batch: {sorted(shapes)}")
-    return torch.full((b, s, *shapes.pop()), -1, dtype=torch.int16)
+    return torch.full((b, s, *shapes.pop()), NO_EXPERT, dtype=ROUTING_DTYPE)
 
 
 def _lay_out_routing(sample: Sample, row: int, offset: int, routing: torch.Tensor | None) -> None:
@@ -144,7 +144,7 @@ def _lay_out_routing(sample: Sample, row: int, offset: int, routing: torch.Tenso
             f"routed experts for {len(sample.routed_experts)} tokens; the sample's prompt + response but its last "
             f"token are {n_rows}: the engine's routing does not match its tokens"
         )
-    routing[row, offset : offset + n_rows] = torch.as_tensor(sample.routed_experts, dtype=torch.int16).cpu()
+    routing[row, offset : offset + n_rows] = routing_tensor(sample.routed_experts).cpu()
 
 
 def split_for_data_parallel(indices: list[int], dp_size: int, dp_rank: int, micro_batch_size: int) -> list[list[int]]:
@@ -225,6 +225,17 @@ def deal_rows(rows: list[list[int]], loads: list[int], dp_size: int) -> list[lis
     return parts
 
 
+def packed_rows_by_rank(
+    indices: list[int], lengths: Sequence[int], dp_size: int, rows_per_micro: int, budget: int, multiple: int
+) -> tuple[list[list[list[int]]], int]:
+    """Every DP rank's packed rows of the mini-batch `indices` (the same number each), and their one length."""
+    mine = {i: lengths[i] for i in indices}
+    row_budget = max(budget // multiple * multiple, round_up(max(mine.values()), multiple))
+    rows = balanced_rows(mine, row_budget, dp_size * rows_per_micro)
+    loads = [sum(mine[i] for i in row) for row in rows]
+    return deal_rows(rows, loads, dp_size), round_up(max(loads), multiple)
+
+
 def plan_packed(
     indices: list[int], lengths: list[int], dp_size: int, dp_rank: int, rows_per_micro: int, budget: int, multiple: int
 ) -> PackedPlan:
@@ -234,13 +245,49 @@ def plan_packed(
     rank gets the same number of micro-batches of `rows_per_micro` rows (empty rows are padding), and all
     rows share one length, the fullest row's rounded up to `multiple`: pipeline stages send one shape.
     """
-    mine = {i: lengths[i] for i in indices}
-    row_budget = max(budget // multiple * multiple, round_up(max(mine.values()), multiple))
-    rows = balanced_rows(mine, row_budget, dp_size * rows_per_micro)
-    loads = [sum(mine[i] for i in row) for row in rows]
-    local = deal_rows(rows, loads, dp_size)[dp_rank]
+    by_rank, row_len = packed_rows_by_rank(indices, lengths, dp_size, rows_per_micro, budget, multiple)
+    local = by_rank[dp_rank]
     micro = [local[k : k + rows_per_micro] for k in range(0, len(local), rows_per_micro)]
-    return PackedPlan(micro_batches=micro, row_len=round_up(max(loads), multiple))
+    return PackedPlan(micro_batches=micro, row_len=row_len)
+
+
+def mini_batch_ranges(n_samples: int, mini_batch_size: int) -> list[list[int]]:
+    """Consecutive index ranges of at most mini_batch_size samples: one optimizer update each."""
+    return [list(range(i, min(i + mini_batch_size, n_samples))) for i in range(0, n_samples, mini_batch_size)]
+
+
+@dataclass(frozen=True)
+class DataParallelSplit:
+    """How the actor deals a mini-batch's samples to its data-parallel ranks, from their token counts alone:
+    the actor builds its micro-batches from its share (mcore/actor.py), and the rollout exchange sends each
+    sample's tokens only to the ranks that train it (rollout/exchange.py)."""
+
+    dp_size: int
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int  # 0: micro_batch_size rows a micro-batch
+    packed: bool
+    multiple: int  # the actor pads lengths to a multiple of this
+
+    def shares(self, indices: list[int], lengths: Sequence[int]) -> list[list[int]]:
+        """Each DP rank's sample indices of the mini-batch `indices` (lengths: every sample's token count)."""
+        budget = self.max_tokens_per_micro_batch
+        if self.packed:
+            rows_per_micro = 1 if budget else self.micro_batch_size
+            by_rank, _ = packed_rows_by_rank(indices, lengths, self.dp_size, rows_per_micro, budget, self.multiple)
+            return [[i for row in rows for i in row] for rows in by_rank]
+        if budget:
+            return balance_by_tokens(indices, lengths, self.dp_size)
+        return [indices[rank :: self.dp_size] for rank in range(self.dp_size)]  # as split_for_data_parallel
+
+    def trainers(self, lengths: Sequence[int], mini_batch_size: int) -> list[int]:
+        """The DP rank that trains each of a step's samples (their token counts, in the step's order), the step
+        cut into mini-batches as the trainer cuts it."""
+        out = [0] * len(lengths)
+        for indices in mini_batch_ranges(len(lengths), mini_batch_size):
+            for rank, share in enumerate(self.shares(indices, lengths)):
+                for i in share:
+                    out[i] = rank
+        return out
 
 
 def build_packed_micro_batch(samples: list[Sample], rows: list[list[int]], row_len: int, pad_id: int) -> MicroBatch:

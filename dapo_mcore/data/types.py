@@ -1,8 +1,9 @@
 """What flows through one RL step: prompts, sampled responses (samples) and their groups.
 
-A sample's token ids and log-probs are what the engine returned (lists) where it was generated, and 1-D
-tensors (views of one flat tensor) once the step's batch has moved between ranks (rollout/exchange.py);
-whatever reads them takes either. Checkpoints store plain lists.
+A sample's token ids and log-probs are 1-D int32 / float32 tensors from the engine adapter on (rollout/guard.py
+converts what an engine returns), views of one flat tensor once the step's batch has moved between ranks
+(rollout/exchange.py), and NotHere (their count only) on a rank that does not train the sample; code that
+builds samples by hand may pass lists, and whatever reads them takes either. Checkpoints store plain lists.
 """
 
 from __future__ import annotations
@@ -14,6 +15,52 @@ import torch
 
 TokenIds = Sequence[int] | torch.Tensor  # list[int] or a 1-D integer tensor
 Values = Sequence[float] | torch.Tensor  # list[float] or a 1-D float tensor
+
+# Routed experts (Sample.routed_experts) are uint8 expert ids, NO_EXPERT where the router chose none (a dense
+# layer, padding, an unknown row): 48 layers x top-8 = 384 bytes a token at 30B-A3B, half of int16's. Models
+# with more than 255 experts cannot replay their routing (build.py check_routing_replay refuses them).
+ROUTING_DTYPE = torch.uint8
+NO_EXPERT = 255
+
+
+def token_tensor(ids: TokenIds) -> torch.Tensor:
+    """Token ids as the 1-D int32 tensor samples hold (8 bytes a token less than a list's 36)."""
+    return torch.as_tensor(ids, dtype=torch.int32)
+
+
+def value_tensor(values: Values) -> torch.Tensor:
+    """Per-token values (log-probs) as the 1-D float32 tensor samples hold."""
+    return torch.as_tensor(values, dtype=torch.float32)
+
+
+def routing_tensor(experts) -> torch.Tensor:
+    """An engine's routed experts [rows, layers, k] (any integer type; a negative id means none) as uint8,
+    NO_EXPERT where none. Ids past 254 cannot be held: a ValueError."""
+    t = torch.as_tensor(experts)
+    if t.dtype == ROUTING_DTYPE:
+        return t
+    t = t.to(torch.int64)
+    if t.numel() and int(t.max()) >= NO_EXPERT:
+        raise ValueError(f"expert id {int(t.max())} does not fit the routing's uint8 (ids 0-{NO_EXPERT - 1})")
+    return torch.where(t < 0, NO_EXPERT, t).to(ROUTING_DTYPE)
+
+
+class NotHere(Sequence):
+    """The tokens (or log-probs) of a sample that another data-parallel rank trains: only their count is known
+    here (rollout/exchange.py sends each sample's tokens to the ranks that train it). Reading a value raises,
+    so that nothing trains on, or saves, tokens this rank never received."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        raise LookupError("this sample's tokens are held by the data-parallel ranks that train it, not this one")
+
+    def __repr__(self) -> str:
+        return f"NotHere({self.n})"
 
 
 @dataclass
@@ -53,10 +100,13 @@ class Sample:
     old_logprobs: list[float] | None = None
     # Set by the reference model when the KL penalty is on.
     ref_logprobs: list[float] | None = None
-    # Mixture-of-experts models, when the engine returns its routing: [tokens - 1, layers, top-k] int16, the
-    # experts its router chose at each token (prompt, then response but its last token); -1 where none
-    # (rollout/base.py Completion.routed_experts). The actor replays them (model.routing_replay=rollout).
+    # Mixture-of-experts models, when the engine returns its routing (model.routing_replay=rollout): [tokens -
+    # 1, layers, top-k] uint8, the experts its router chose at each token (prompt, then response but its last
+    # token); NO_EXPERT where none (rollout/base.py Completion.routed_experts). The actor replays them.
     routed_experts: torch.Tensor | None = None
+    # The engine returned routing whose rows did not match the sample's tokens: it was dropped (the actor's
+    # routers choose for this sample) and counted in rollout/routing_dropped (rollout/guard.py).
+    routing_dropped: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -69,6 +119,11 @@ class Sample:
     @property
     def finished(self) -> bool:
         return self.finish_reason != "abort"
+
+    @property
+    def held(self) -> bool:
+        """This rank holds the sample's tokens (not only their count: NotHere)."""
+        return not isinstance(self.response_ids, NotHere)
 
     def token_versions(self) -> list[tuple[int, int]]:
         """(version, n_tokens) runs covering the response, oldest first."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dapo_mcore.algo.gap_stats import add_gaps, empty_gap_summary, gap_means, gap_quantiles, gap_tokens
 from dapo_mcore.algo.losses import (
     LossSettings,
     TokenLossTerms,
@@ -31,8 +32,8 @@ from dapo_mcore.algo.losses import (
 from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.config.schema import ModelConfig, OptimizerConfig, TrainerConfig
 from dapo_mcore.data.batching import (
+    DataParallelSplit,
     MicroBatch,
-    balance_by_tokens,
     block_causal_mask,
     build_micro_batch,
     build_packed_micro_batch,
@@ -55,7 +56,8 @@ from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
 from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay
 from dapo_mcore.mcore.provider import padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel.state import ParallelContext, all_gather_objects
+from dapo_mcore.parallel.state import ParallelContext, all_reduce_sums_and_maxes
+from dapo_mcore.utils.errors import ConfigError
 
 _QUANTILES = (0.5, 0.9, 0.99)
 
@@ -132,6 +134,14 @@ class PolicyRunner:
             install_passthrough_head(self._head, ctx.pg.tp)
         self.routing = RoutingReplay(ctx, spec, chunks, settings.routing_replay) if spec.is_moe else None
 
+    @property
+    def dp_split(self) -> DataParallelSplit:
+        """How this policy deals a mini-batch to the DP ranks (the share each rank's micro-batches hold)."""
+        s = self.settings
+        return DataParallelSplit(
+            self.ctx.dp_size, s.micro_batch_size, s.max_tokens_per_micro_batch, s.packing != "off", self._multiple
+        )
+
     def prepare(self, samples: list[Sample], mini_batches: list[list[int]]) -> StepBatches:
         """This rank's micro-batches of every mini-batch (index lists into `samples`), on the device. The DP
         split and micro-batches are those of training, so each rank computes exactly what it trains on."""
@@ -167,7 +177,7 @@ class PolicyRunner:
         ctx, settings = self.ctx, self.settings
         if settings.max_tokens_per_micro_batch:
             lengths = [sample_tokens(s) for s in samples]
-            mine = balance_by_tokens(indices, lengths, ctx.dp_size)[ctx.dp_rank]
+            mine = self.dp_split.shares(indices, lengths)[ctx.dp_rank]
             batches = token_budget_micro_batches(mine, lengths, settings.max_tokens_per_micro_batch, self._multiple)
             plans = [(rows, round_up(lengths[rows[0]], self._multiple)) for rows in batches]
             if ctx.pp_size > 1:
@@ -386,8 +396,7 @@ class MegatronActor(PolicyRunner):
             with self.routing.collecting():
                 self.logprobs_into(batches, "old_logprobs")
             routing = self.routing.metrics()
-        fresh, stale = self._logprob_gaps(batches, step)
-        return {**_logprob_gap_metrics(fresh, "mismatch"), **_logprob_gap_metrics(stale, "offpolicy"), **routing}
+        return {**self._logprob_gap_metrics(batches, step), **routing}
 
     def train_step(self, batches: StepBatches) -> dict[str, float]:
         """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
@@ -526,18 +535,25 @@ class MegatronActor(PolicyRunner):
                 metrics[name] = t[key] / divisor
         return metrics
 
-    def _logprob_gaps(self, batches: StepBatches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """log p_actor - log p_engine of every response token of the step (gathered from the last stages' TP
-        rank 0, which hold them), split into samples of this step's weights and older ones."""
-        fresh, stale = [], []
-        if self.ctx.is_last_stage and self.ctx.tp_rank == 0:  # TP ranks hold the same values
+    def _logprob_gap_metrics(self, batches: StepBatches, step: int) -> dict[str, float]:
+        """log p_actor - log p_engine of the step's response tokens: mismatch/* for the answers of this step's
+        weights, offpolicy/* for older ones. Each is a fixed-size summary (algo/gap_stats.py) that the last
+        stages' TP rank 0 fill (TP ranks hold the same values) and every rank sums: O(1) per rank, whatever
+        the step's token count."""
+        device = self.ctx.device
+        fresh, stale = empty_gap_summary(device), empty_gap_summary(device)
+        if self.ctx.is_last_stage and self.ctx.tp_rank == 0:
             for mb in _each_micro_batch(batches):
-                for sample, row, offset in _placed_samples(batches, mb):
-                    start = offset + len(sample.prompt_ids) - 1
-                    span = slice(start, start + len(sample.response_ids))
-                    diff = mb.old_logprobs[row, span] - mb.rollout_logprobs[row, span]
-                    (fresh if sample.policy_step == step else stale).append(diff)
-        return _gathered(fresh), _gathered(stale)
+                fresh_bs = _fresh_response_positions(batches, mb, step)
+                diff_bs = mb.old_logprobs - mb.rollout_logprobs
+                add_gaps(*fresh, diff_bs[fresh_bs])
+                add_gaps(*stale, diff_bs[(mb.response_mask > 0) & ~fresh_bs])
+        sums_2S, extremes_23 = torch.stack([fresh[0], stale[0]]), torch.stack([fresh[1], stale[1]])
+        all_reduce_sums_and_maxes(sums_2S, extremes_23)
+        return {
+            **_gap_metrics(sums_2S[0], extremes_23[0], "mismatch"),
+            **_gap_metrics(sums_2S[1], extremes_23[1], "offpolicy"),
+        }
 
 
 def _each_micro_batch(batches: StepBatches) -> Iterator[MicroBatch]:
@@ -549,15 +565,21 @@ def _placed_samples(batches: StepBatches, mb: MicroBatch) -> Iterator[tuple[Samp
     return ((batches.samples[index], row, offset) for index, row, offset in mb.segments)
 
 
+def _fresh_response_positions(batches: StepBatches, mb: MicroBatch, step: int) -> torch.Tensor:
+    """[b, s] bool: the positions predicting a response token of an answer generated by this step's weights
+    (a carried-over or continued answer began under older ones)."""
+    fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
+    for sample, row, offset in _placed_samples(batches, mb):
+        if sample.policy_step == step:
+            fresh[row, offset : offset + sample_tokens(sample)] = True
+    return fresh & (mb.response_mask > 0)
+
+
 def _mark_routing_compared(batches: StepBatches, step: int) -> None:
-    """Set each micro-batch's routing_compared: the positions predicting a response token of an answer of this
-    step's weights (as mismatch/: a carried-over answer's routing is that of older weights)."""
+    """Set each micro-batch's routing_compared: where the routing agreement is counted (as mismatch/: a
+    carried-over answer's routing is that of older weights)."""
     for mb in _each_micro_batch(batches):
-        fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
-        for sample, row, offset in _placed_samples(batches, mb):
-            if sample.policy_step == step:
-                fresh[row, offset : offset + sample_tokens(sample)] = True
-        mb.routing_compared = fresh & (mb.response_mask > 0)
+        mb.routing_compared = _fresh_response_positions(batches, mb, step)
 
 
 def offloadable_state(optimizer: Any, model_params: list[torch.Tensor]) -> list[tuple[Any, Any]]:
@@ -590,28 +612,22 @@ def _moved(tensor: torch.Tensor, device: torch.device, copy: bool = False, same_
     return tensor.to(device, non_blocking=True, copy=copy)
 
 
-def _gathered(local: list[torch.Tensor]) -> torch.Tensor:
-    """Every rank's token values, concatenated; one copy to the host per rank (not one per sample)."""
-    mine = torch.cat(local).cpu() if local else torch.zeros(0)
-    return torch.cat(all_gather_objects(mine)).double()
-
-
-def _logprob_gap_metrics(diff: torch.Tensor, prefix: str) -> dict[str, float]:
+def _gap_metrics(sums_S: torch.Tensor, extremes_3: torch.Tensor, prefix: str) -> dict[str, float]:
     """|logp_train - logp_rollout| over response tokens (mean, max), the k3 estimate of KL(engine || actor)
-    on the engine's samples, and quantiles of the ratio exp(train - rollout)."""
-    if diff.numel() == 0:
+    on the engine's samples, and the ratio exp(train - rollout): its extremes and quantiles (from the
+    summary's histogram: within about 1% of the gap, algo/gap_stats.py)."""
+    if gap_tokens(sums_S) == 0:
         return {}
-    ratio = diff.exp()
+    abs_mean, k3_mean = gap_means(sums_S)
     metrics = {
-        f"{prefix}/abs_logp_diff_mean": diff.abs().mean().item(),
-        f"{prefix}/abs_logp_diff_max": diff.abs().max().item(),
-        # k3 (Schulman): E_engine[r - 1 - log r] with r = p_actor / p_engine, unbiased and >= 0
-        f"{prefix}/k3_kl": (ratio - 1 - diff).mean().item(),
-        f"{prefix}/ratio_max": ratio.max().item(),
-        f"{prefix}/ratio_min": ratio.min().item(),
+        f"{prefix}/abs_logp_diff_mean": abs_mean,
+        f"{prefix}/abs_logp_diff_max": float(extremes_3[0]),
+        f"{prefix}/k3_kl": k3_mean,
+        f"{prefix}/ratio_max": math.exp(float(extremes_3[1])),
+        f"{prefix}/ratio_min": math.exp(-float(extremes_3[2])),
     }
-    for q, value in zip(_QUANTILES, torch.quantile(ratio, torch.tensor(_QUANTILES, dtype=ratio.dtype)).tolist()):
-        metrics[f"{prefix}/ratio_p{round(q * 100)}"] = value
+    for q, gap in zip(_QUANTILES, gap_quantiles(sums_S, extremes_3, _QUANTILES)):
+        metrics[f"{prefix}/ratio_p{round(q * 100)}"] = math.exp(gap)
     return metrics
 
 
@@ -712,26 +728,38 @@ def build_actor(
     ]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_chunks[0].no_sync if len(ddp_chunks) == 1 else [c.no_sync for c in ddp_chunks]
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=opt.lr,
-            min_lr=opt.min_lr,
-            weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1,
-            adam_beta2=opt.adam_beta2,
-            adam_eps=opt.adam_eps,
-            clip_grad=opt.clip_grad,
-            bf16=config.bf16,
-            fp16=config.fp16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=opt.use_distributed_optimizer,
-            optimizer_cpu_offload=opt.cpu_offload,
-            optimizer_offload_fraction=opt.offload_fraction if opt.cpu_offload else 0.0,
-        ),
-        ddp_chunks,
-    )
+    if opt.cpu_offload and ctx.is_cpu:
+        raise ConfigError(
+            "optimizer.cpu_offload needs a GPU (Megatron's HybridDeviceOptimizer steps host copies of the GPU's "
+            "parameters); on the CPU the optimizer is in host memory already: drop optimizer.cpu_offload"
+        )
+    optimizer = get_megatron_optimizer(OptimizerConfig(**megatron_optimizer_options(opt, config)), ddp_chunks)
     return MegatronActor(ctx, spec, ddp_chunks, optimizer, _lr_schedule(optimizer, opt), settings)
+
+
+def megatron_optimizer_options(opt: OptimizerSettings, config: Any) -> dict[str, Any]:
+    """Megatron's OptimizerConfig for `opt` and the model's TransformerConfig. optimizer.cpu_offload goes through
+    the precision-aware path, as Megatron-LM's own argument check requires: without it the distributed
+    optimizer keeps an fp32 copy of every parameter shard on the GPU (shard_main_param) beside the host
+    copies the hybrid optimizer steps (14.2 GiB a GPU at 30B-A3B); with it the main parameters live only in
+    the HybridDeviceOptimizer (its GPU share in fp32, param_update_in_fp32), as plan.py counts them."""
+    return dict(
+        optimizer="adam",
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        optimizer_cpu_offload=opt.cpu_offload,
+        optimizer_offload_fraction=opt.offload_fraction if opt.cpu_offload else 0.0,
+        use_precision_aware_optimizer=opt.cpu_offload,
+    )
 
 
 def build_reference(ctx: ParallelContext, spec: ModelSpec, chunks: list[Any], settings: ActorSettings) -> PolicyRunner:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.config.model_spec import ModelSpec
+from dapo_mcore.data.types import NO_EXPERT
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext
 
@@ -142,16 +143,20 @@ def _same_sets(a_Nk: torch.Tensor, b_Nk: torch.Tensor) -> torch.Tensor:
 
 class ReplayedRouting:
     """One router's replay hook (Megatron's TopKRouter.router_replay; the RouterReplay interface minus its
-    process-wide registry). A target is set per micro-batch forward: ([N, k] engine expert ids, -1 where
-    unknown, or None; [N] bool counted in the agreement). A forward uses the target set last; an activation
-    recompute (inside backward) takes the oldest, in the schedule's backward order (Megatron's
-    REPLAY_BACKWARD rule)."""
+    process-wide registry). A target is set per micro-batch forward: ([N, k] engine expert ids, uint8 as the
+    samples hold them, NO_EXPERT (or a negative id) where unknown, or None; [N] bool counted in the
+    agreement). A forward uses the target set last. With activation recompute of the router (`recomputes`),
+    a recompute (inside backward) takes the oldest, in the schedule's backward order (Megatron's
+    REPLAY_BACKWARD rule), so every micro-batch's target waits for its backward; without it only the last
+    target is kept (N x k bytes a layer, not one per micro-batch of the mini-batch)."""
 
-    def __init__(self, layer: int, replay: bool, counts: AgreementCounts):
-        self.layer, self.replay, self.counts = layer, replay, counts
+    def __init__(self, layer: int, replay: bool, counts: AgreementCounts, recomputes: bool = True):
+        self.layer, self.replay, self.counts, self.recomputes = layer, replay, counts, recomputes
         self.targets: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
     def set_target(self, target: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if not self.recomputes:
+            self.targets.clear()
         self.targets.append(target)
 
     def clear(self) -> None:
@@ -165,8 +170,8 @@ class ReplayedRouting:
         target = self.targets.pop(0) if recomputing else self.targets[-1]
         if target is None:
             return own_values, own_Nk
-        engine_Nk, counted_N = target
-        known_N = (engine_Nk >= 0).all(dim=-1)
+        engine_Nk, counted_N = target[0].long(), target[1]
+        known_N = ((engine_Nk >= 0) & (engine_Nk < NO_EXPERT)).all(dim=-1)
         used_Nk = torch.where(known_N[:, None], engine_Nk, own_Nk) if self.replay else own_Nk
         if not recomputing:
             self.counts.add(self.layer, own_Nk, used_Nk, engine_Nk, counted_N & known_N)
@@ -191,6 +196,14 @@ class AgreementCounts:
                 self.counts_3L[2, layer] += (_same_sets(own_Nk, engine_Nk) & counted_N).sum()
 
 
+def _recomputes_router(config: Any) -> bool:
+    """Whether backward recomputes the routers' forward: full recompute, or selective recompute of the MoE
+    layer or MLP."""
+    modules = set(getattr(config, "recompute_modules", None) or ())
+    granularity = config.recompute_granularity
+    return granularity == "full" or (granularity == "selective" and bool(modules & {"moe", "mlp"}))
+
+
 class RoutingReplay:
     """The replay hooks of a policy's routers, their per-micro-batch targets, and the agreement metric."""
 
@@ -201,12 +214,13 @@ class RoutingReplay:
             raise ValueError("routing replay needs moe_router_fusion off")
         self._sequence_parallel = config.sequence_parallel
         self.counts = AgreementCounts(spec.num_layers, ctx.device)
+        recomputes = _recomputes_router(config)
         # the hooks of each model chunk (a forward step runs one chunk), by the chunk's identity
         self.hooks: dict[int, list[ReplayedRouting]] = {}
         for chunk in chunks:
             hooks = self.hooks.setdefault(id(unwrap(chunk)), [])
             for layer, router in routers_of([chunk]):
-                router.router_replay = ReplayedRouting(layer, replay, self.counts)
+                router.router_replay = ReplayedRouting(layer, replay, self.counts, recomputes)
                 hooks.append(router.router_replay)
 
     def set_targets(self, model: Any, routing_bsLk: torch.Tensor | None, counted_bs: torch.Tensor | None) -> None:
@@ -225,7 +239,7 @@ class RoutingReplay:
                 engine_sbk = engine_sbk.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
                 counted_sb = counted_sb.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
             k = engine_sbk.shape[-1]
-            hook.set_target((engine_sbk.reshape(-1, k).long(), counted_sb.reshape(-1)))
+            hook.set_target((engine_sbk.reshape(-1, k), counted_sb.reshape(-1)))  # uint8 until used
 
     def clear(self) -> None:
         """After each schedule run: forward-only runs never pop their targets."""

@@ -3,7 +3,7 @@
 from dapo_mcore.parallel.state import (
     ParallelContext,
     all_gather_objects,
-    all_gather_padded,
+    all_to_all_on_host,
     broadcast_object,
     check_layout,
     destroy_parallel,
@@ -15,7 +15,7 @@ from dapo_mcore.parallel.state import (
 __all__ = [
     "ParallelContext",
     "all_gather_objects",
-    "all_gather_padded",
+    "all_to_all_on_host",
     "broadcast_object",
     "check_layout",
     "destroy_parallel",

@@ -244,15 +244,22 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def all_gather_padded(tensor_N: torch.Tensor, length: int, device: torch.device) -> list[torch.Tensor]:
-    """Every rank's 1-D tensor (each at most `length` long, the same dtype everywhere), on the CPU, each still
-    padded to `length`: the caller knows every rank's true size. One collective, through `device` (NCCL
-    needs CUDA tensors), with no pickling."""
-    padded = torch.zeros(length, dtype=tensor_N.dtype, device=device)
-    padded[: tensor_N.numel()] = tensor_N.to(device)
-    out = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, padded)
-    return [t.cpu() for t in out]
+def all_to_all_on_host(
+    send_W: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: Any = None
+) -> torch.Tensor:
+    """A 1-D host tensor cut into one piece per rank (send_sizes), each sent to its rank; returns what every
+    rank sent this one, concatenated in rank order (recv_sizes, which the caller knows). Host memory only:
+    `group` must be a gloo group (the wait group), so nothing lands on a GPU an engine holds."""
+    received_W = torch.empty(sum(recv_sizes), dtype=send_W.dtype)
+    dist.all_to_all_single(received_W, send_W.cpu(), recv_sizes, send_sizes, group=group)
+    return received_W
+
+
+def all_reduce_sums_and_maxes(sums: torch.Tensor, maxes: torch.Tensor, group: Any = None) -> None:
+    """In place, over the group (every rank by default): `sums` summed, `maxes` maximised. Both on the
+    process group's device (NCCL: CUDA tensors)."""
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
 
 
 def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from dapo_mcore.config.schema import RolloutConfig
+from dapo_mcore.data.types import TokenIds, Values
 from dapo_mcore.rollout.placement import EnginePlacement
 from dapo_mcore.utils.errors import ConfigError
 
@@ -70,18 +71,22 @@ class EngineSettings:
 
 @dataclass
 class Completion:
-    token_ids: list[int]
+    # Lists from an adapter; 1-D int32 / float32 tensors once rollout/guard.py has checked them (what the
+    # trainer gets from every engine).
+    token_ids: TokenIds
     # log p(token) under the sampling distribution: log_softmax(logits / temperature), top-p not applied.
-    logprobs: list[float]
+    logprobs: Values
     # "stop": ended with an end-of-sequence token (included in token_ids); "length": cut at max_new_tokens;
     # "abort": unfinished when its round was stopped (generate_answers), token_ids being what it had so far.
     finish_reason: str
     text: str
-    # With EngineSettings.return_routed_experts: [rows, layers, top-k] int16, the experts the engine's router
+    # With EngineSettings.return_routed_experts: [rows, layers, top-k] uint8, the experts the engine's router
     # chose at every input token: the prompt's (and a continued answer's prefix), then the new tokens but the
-    # last one (never fed back), rows = input tokens + new tokens - 1; one slice per HF layer, -1 in layers
-    # without a router. None: not asked for, or not known (an aborted answer).
+    # last one (never fed back), rows = input tokens + new tokens - 1; one slice per HF layer, NO_EXPERT in
+    # layers without a router (data/types.py). None: not asked for, or not known (an aborted answer).
     routed_experts: torch.Tensor | None = None
+    # The engine's routing did not match the tokens and was dropped (rollout/guard.py).
+    routing_dropped: bool = False
 
 
 class RoutingUnavailable(ConfigError):

@@ -6,14 +6,22 @@ group: its prompt, its verdicts, rewards and response lengths, and the replica's
 filter sees the whole group where it was generated). Those summaries are all-gathered as objects: a few
 numbers per sample, no tokens.
 
-Tokens move once, for the kept groups only (at the paper's 3 x 512 prompts a round, most generated groups
-are never trained on), as flat tensors: each replica lays out its kept groups' token ids (each prompt once,
-then its responses) and then their log-probs, bit-cast to int32, in one int32 tensor. The summaries give
-every rank each replica's exact layout and size, so one all-gather of padded tensors moves them with no
-size exchange and no pickling; the samples built from them hold tensor views, not per-token Python lists.
-A mixture-of-experts engine's routing (int16 [rows, layers, k] per sample) follows, two to an int32 word.
+Tokens move once, for the chosen groups only, and each sample only to the ranks that train it: the
+data-parallel rank the actor deals it to (data/batching.py DataParallelSplit, a function of the step's
+lengths, which every rank knows from the summaries), and every rank of that DP rank's model-parallel group.
+Groups carried to the next step and unfinished groups (partial rollout) go to every rank (each rank saves
+and continues them). One all-to-all over host memory (the gloo wait group) carries them: from each replica,
+one of its ranks sends each receiver exactly what it takes (its ranks take turns by receiver, so a replica's
+engine-TP ranks, which hold the same groups, send each byte once), and the summaries give every rank every
+message's exact size, so there is no size exchange, no padding and no device memory while the engine holds
+the GPU. A message holds, for its groups in order, each prompt once and the chosen responses' token ids,
+then their log-probs (float32 bits), then their routing (uint8, four to a word), in one int32 tensor; the
+samples built from it hold views of it. A sample another rank trains keeps its metadata and only the count
+of its tokens (data/types.py NotHere).
 
-Legend: T tokens (prompt + responses), R response tokens, G groups.
+Per rank, at the paper's step (8,192 answers, 8M-67M tokens at a 1k-8k mean): its 1/DP share of the chosen
+tokens x 8 bytes (+ layers x top-k bytes with routing replay), where the all-gather it replaces received
+every kept token x world size on the device. Legend: T tokens (prompts + responses), R response tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_mcore.data.types import Group, Prompt, Sample, accuracy
+from dapo_mcore.data.types import Group, NotHere, Prompt, Sample, accuracy, routing_tensor
+
+# Trainer of a sample that every rank receives (a group carried to the next step, an unfinished one).
+EVERY_RANK = -1
+
+# (send buffer, words to each rank, words from each rank) -> the words received, in source rank order.
+Transport = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,10 +56,15 @@ class SampleSummary:
     text: str = ""
     # The shape of the sample's routed experts (rows, layers, k); () when the engine returned none.
     routing_shape: tuple[int, ...] = ()
+    routing_dropped: bool = False
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def routing_bytes(self) -> int:
+        return math.prod(self.routing_shape) if self.routing_shape else 0
 
 
 @dataclass(frozen=True)
@@ -66,16 +85,6 @@ class GroupSummary:
         """Every answer ended (partial rollout leaves some unfinished when it stops a round)."""
         return all(s.finish_reason != "abort" for s in self.samples)
 
-    @property
-    def payload_len(self) -> int:
-        """int32 words the group takes in its owner's tensor: tokens (prompt once), response log-probs, then
-        the routing (int16, padded to whole words)."""
-        return self.prompt_len + 2 * sum(s.response_len for s in self.samples) + self.routing_words
-
-    @property
-    def routing_words(self) -> int:
-        return -(-sum(math.prod(s.routing_shape) for s in self.samples if s.routing_shape) // 2)
-
 
 def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> GroupSummary:
     whole = all(s.finished for s in group.samples)
@@ -92,6 +101,7 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
             version_runs=tuple((v, n) for v, n in s.version_runs),
             text="" if whole or not s.finished else s.response_text,
             routing_shape=tuple(s.routed_experts.shape) if s.routed_experts is not None else (),
+            routing_dropped=s.routing_dropped,
         )
         for s in group.samples
     )
@@ -99,61 +109,181 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
     return GroupSummary(group.prompt, prompt_len, samples, bool(keep), owner, key)
 
 
-def pack_groups(groups: Sequence[Group]) -> torch.Tensor:
-    """One int32 tensor: every group's prompt and response token ids, then every response's log-probs (float32
-    bits), then every group's routing (int16 pairs), in the order of `groups`."""
-    token_parts, logprob_parts, routing_parts = [], [], []
-    for group in groups:
-        token_parts.append(torch.as_tensor(group.samples[0].prompt_ids, dtype=torch.int32))
-        for s in group.samples:
-            token_parts.append(torch.as_tensor(s.response_ids, dtype=torch.int32))
-            logprob_parts.append(torch.as_tensor(s.rollout_logprobs[: len(s.response_ids)], dtype=torch.float32))
-        routing_parts.append(_group_routing(group))
-    tokens_T = torch.cat(token_parts) if token_parts else torch.zeros(0, dtype=torch.int32)
-    logprobs_R = torch.cat(logprob_parts) if logprob_parts else torch.zeros(0, dtype=torch.float32)
-    routing_W = torch.cat(routing_parts) if routing_parts else torch.zeros(0, dtype=torch.int32)
-    return torch.cat([tokens_T, logprobs_R.view(torch.int32), routing_W])
+@dataclass(frozen=True)
+class ExchangeRanks:
+    """Who sends what to whom: engine replicas of engine_tp_size consecutive ranks (which hold the same
+    groups), and the data-parallel rank of every rank (a sample goes to every rank of the DP rank that
+    trains it)."""
+
+    rank: int
+    engine_tp_size: int
+    dp_rank_of: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.dp_rank_of)
+
+    def sender(self, replica: int, receiver: int) -> int:
+        """The rank of `replica` that sends to `receiver`: the replica's ranks take turns by receiver."""
+        return replica * self.engine_tp_size + receiver % self.engine_tp_size
+
+    def takes(self, receiver: int, trainer: int) -> bool:
+        return trainer == EVERY_RANK or self.dp_rank_of[receiver] == trainer
 
 
-def _group_routing(group: Group) -> torch.Tensor:
-    """The group's routed experts, flat int16 padded to an even count, as int32 words."""
-    flat = [s.routed_experts.reshape(-1).to(torch.int16) for s in group.samples if s.routed_experts is not None]
-    if not flat:
-        return torch.zeros(0, dtype=torch.int32)
-    values = torch.cat(flat)
-    return torch.cat([values, values.new_zeros(values.numel() % 2)]).view(torch.int32)
+def one_rank() -> ExchangeRanks:
+    return ExchangeRanks(rank=0, engine_tp_size=1, dp_rank_of=(0,))
 
 
-def unpack_groups(summaries: Sequence[GroupSummary], payload: torch.Tensor) -> list[Group]:
-    """The groups `pack_groups` laid out, rebuilt from their summaries; samples hold views of `payload`."""
-    n_tokens = sum(g.prompt_len + sum(s.response_len for s in g.samples) for g in summaries)
-    n_responses = sum(s.response_len for g in summaries for s in g.samples)
-    tokens_T, logprobs_R = payload[:n_tokens], payload[n_tokens : n_tokens + n_responses].view(torch.float32)
-    routing_W = payload[n_tokens + n_responses :]
-    groups, t, r, w = [], 0, 0, 0
-    for g in summaries:
+@dataclass(frozen=True)
+class _Part:
+    """One group's share of one message: which of its samples the receiver takes."""
+
+    summary: GroupSummary
+    index: int  # position in `wanted`
+    chosen: tuple[int, ...]  # sample positions in the group
+
+    @property
+    def token_words(self) -> int:
+        return (self.summary.prompt_len if self.chosen else 0) + sum(self._lengths())
+
+    @property
+    def logprob_words(self) -> int:
+        return sum(self._lengths())
+
+    @property
+    def routing_bytes(self) -> int:
+        return sum(self.summary.samples[i].routing_bytes for i in self.chosen)
+
+    def _lengths(self):
+        return (self.summary.samples[i].response_len for i in self.chosen)
+
+
+def _message_words(parts: Sequence[_Part]) -> int:
+    routing = sum(p.routing_bytes for p in parts)
+    return sum(p.token_words + p.logprob_words for p in parts) + -(-routing // 4)
+
+
+def _parts(
+    wanted: Sequence[GroupSummary], trainers: Sequence[Sequence[int]], ranks: ExchangeRanks, sender: int, receiver: int
+) -> list[_Part]:
+    """What `sender` sends `receiver`: the receiver's samples of the groups whose replica sends through
+    `sender`, in wanted order (empty parts, of groups it takes nothing of, left out)."""
+    parts = []
+    for index, (g, group_trainers) in enumerate(zip(wanted, trainers)):
+        if ranks.sender(g.owner, receiver) != sender:
+            continue
+        chosen = tuple(i for i, t in enumerate(group_trainers) if ranks.takes(receiver, t))
+        if chosen:
+            parts.append(_Part(g, index, chosen))
+    return parts
+
+
+def fetch_groups(
+    wanted: Sequence[GroupSummary],
+    trainers: Sequence[Sequence[int]],
+    local: dict[tuple[int, int], Group],
+    ranks: ExchangeRanks,
+    transport: Transport | None,
+) -> list[Group]:
+    """The groups of `wanted` (the same summaries, in the same order, on every rank), each sample whole on the
+    ranks that train it (trainers[g][i]: the DP rank, or EVERY_RANK) and NotHere elsewhere; `local` holds
+    this replica's groups by key. Collective over every rank (one all-to-all); nothing when nothing is wanted."""
+    if not wanted:  # the same on every rank: no collective
+        return []
+    me, world = ranks.rank, ranks.world_size
+    outgoing = [_parts(wanted, trainers, ranks, me, r) for r in range(world)]
+    incoming = [_parts(wanted, trainers, ranks, s, me) for s in range(world)]
+    send_words, recv_words = [_message_words(p) for p in outgoing], [_message_words(p) for p in incoming]
+    send = torch.cat([_pack(parts, local, words) for parts, words in zip(outgoing, send_words)])
+    received = send if transport is None else transport(send, send_words, recv_words)
+    if received.numel() != sum(recv_words):
+        raise ValueError(f"rollout exchange: received {received.numel()} words, the summaries say {sum(recv_words)}")
+    groups: list[Group | None] = [None] * len(wanted)
+    for parts, message in zip(incoming, received.split(recv_words)):
+        for part, group in zip(parts, _unpack(parts, message)):
+            groups[part.index] = group
+    return [g if g is not None else _hollow_group(summary) for g, summary in zip(groups, wanted)]
+
+
+def _pack(parts: Sequence[_Part], local: dict[tuple[int, int], Group], words: int) -> torch.Tensor:
+    """One message: every part's prompt (once) and chosen responses, then their log-probs (float32 bits), then
+    their routing (uint8, padded to a whole int32 word). Refused unless it is the size the summaries say."""
+    tokens, logprobs, routing = [], [], []
+    for part in parts:
+        group = local[part.summary.key]
+        tokens.append(torch.as_tensor(group.samples[0].prompt_ids, dtype=torch.int32))
+        for i in part.chosen:
+            sample = group.samples[i]
+            _check_sample(sample, part.summary.samples[i], part.summary.key)
+            tokens.append(torch.as_tensor(sample.response_ids, dtype=torch.int32))
+            logprobs.append(torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32))
+            if sample.routed_experts is not None:
+                routing.append(routing_tensor(sample.routed_experts).reshape(-1))
+    routing_bytes = torch.cat(routing) if routing else torch.zeros(0, dtype=torch.uint8)
+    routing_bytes = torch.cat([routing_bytes, routing_bytes.new_zeros(-routing_bytes.numel() % 4)])
+    message = torch.cat(
+        [_cat(tokens, torch.int32), _cat(logprobs, torch.float32).view(torch.int32), routing_bytes.view(torch.int32)]
+    )
+    if message.numel() != words:
+        raise ValueError(
+            f"rollout exchange: {len(parts)} groups pack into {message.numel()} words, their summaries say {words} "
+            "(a sample's log-probs or routing no longer match its tokens); not sent"
+        )
+    return message
+
+
+def _check_sample(sample: Sample, s: SampleSummary, key: tuple[int, int]) -> None:
+    """A sample sent as its summary describes it: one log-prob a token and its routing's size (a log-prob short
+    would shift every later sample of the message)."""
+    n, n_logprobs = len(sample.response_ids), len(sample.rollout_logprobs)
+    routing = 0 if sample.routed_experts is None else sample.routed_experts.numel()
+    if (n, n_logprobs, routing) != (s.response_len, s.response_len, s.routing_bytes):
+        raise ValueError(
+            f"rollout exchange: a sample of group {key} holds {n} tokens, {n_logprobs} log-probs and {routing} "
+            f"routing values; its summary says {s.response_len}, {s.response_len} and {s.routing_bytes}: not sent"
+        )
+
+
+def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _unpack(parts: Sequence[_Part], message: torch.Tensor) -> list[Group]:
+    """The groups of one message; their chosen samples hold views of it, the others NotHere."""
+    n_tokens = sum(p.token_words for p in parts)
+    n_logprobs = sum(p.logprob_words for p in parts)
+    tokens_T = message[:n_tokens]
+    logprobs_R = message[n_tokens : n_tokens + n_logprobs].view(torch.float32)
+    routing = message[n_tokens + n_logprobs :].view(torch.uint8)
+    groups, t, r, b = [], 0, 0, 0
+    for part in parts:
+        g = part.summary
         prompt_ids = tokens_T[t : t + g.prompt_len]
         t += g.prompt_len
-        samples = []
-        for s in g.samples:
-            samples.append(_sample(s, prompt_ids, tokens_T[t : t + s.response_len], logprobs_R[r : r + s.response_len]))
+        samples = [_hollow_sample(s, g.prompt_len) for s in g.samples]
+        for i in part.chosen:
+            s = g.samples[i]
+            sample = _sample(s, prompt_ids, tokens_T[t : t + s.response_len], logprobs_R[r : r + s.response_len])
+            if s.routing_shape:
+                sample.routed_experts = routing[b : b + s.routing_bytes].view(s.routing_shape)
+                b += s.routing_bytes
+            samples[i] = sample
             t, r = t + s.response_len, r + s.response_len
-        _unpack_routing(g, samples, routing_W[w : w + g.routing_words])
-        w += g.routing_words
         groups.append(Group(prompt=g.prompt, samples=samples))
     return groups
 
 
-def _unpack_routing(g: GroupSummary, samples: list[Sample], words: torch.Tensor) -> None:
-    values, v = words.view(torch.int16), 0
-    for summary, sample in zip(g.samples, samples):
-        if summary.routing_shape:
-            n = math.prod(summary.routing_shape)
-            sample.routed_experts = values[v : v + n].view(summary.routing_shape)
-            v += n
+def _hollow_group(g: GroupSummary) -> Group:
+    return Group(prompt=g.prompt, samples=[_hollow_sample(s, g.prompt_len) for s in g.samples])
 
 
-def _sample(s: SampleSummary, prompt_ids: torch.Tensor, response_ids: torch.Tensor, logprobs: torch.Tensor) -> Sample:
+def _hollow_sample(s: SampleSummary, prompt_len: int) -> Sample:
+    n = s.response_len
+    return _sample(s, NotHere(prompt_len), NotHere(n), NotHere(n))
+
+
+def _sample(s: SampleSummary, prompt_ids, response_ids, logprobs) -> Sample:
     return Sample(
         prompt_ids=prompt_ids,
         response_ids=response_ids,
@@ -167,27 +297,5 @@ def _sample(s: SampleSummary, prompt_ids: torch.Tensor, response_ids: torch.Tens
         length_penalty=s.length_penalty,
         reward=s.reward,
         trainable=s.trainable,
+        routing_dropped=s.routing_dropped,
     )
-
-
-def fetch_groups(
-    wanted: Sequence[GroupSummary],
-    local: dict[tuple[int, int], Group],
-    replica: int,
-    n_replicas: int,
-    engine_tp_size: int,
-    all_gather_padded: Callable[[torch.Tensor, int], list[torch.Tensor]],
-) -> list[Group]:
-    """The full groups of `wanted` (the same summaries, in the same order, on every rank), each taken from the
-    replica that generated it: `local` holds this replica's groups by key. Collective."""
-    if not wanted:  # the same on every rank: no collective
-        return []
-    per_owner = [[g for g in wanted if g.owner == o] for o in range(n_replicas)]
-    lengths = [sum(g.payload_len for g in mine) for mine in per_owner]
-    payload = pack_groups([local[g.key] for g in per_owner[replica]])
-    # the ranks of one replica hold the same groups: take each replica's first rank's tensor
-    gathered = all_gather_padded(payload, max(lengths))[::engine_tp_size]
-    by_owner = [
-        iter(unpack_groups(mine, tensor[:length])) for mine, tensor, length in zip(per_owner, gathered, lengths)
-    ]
-    return [next(by_owner[g.owner]) for g in wanted]

@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from dapo_mcore.data.types import NO_EXPERT, ROUTING_DTYPE, routing_tensor
 from dapo_mcore.rollout.base import (
     AnswerRequest,
     Completion,
@@ -189,14 +190,14 @@ class RoutingCapture:
         return keep
 
     def rows(self, i: int, batch: int, pad: int, n_rows: int) -> torch.Tensor:
-        """[n_rows, layers, k] int16 for row i of a batch of `batch` rows, its input left-padded by `pad`."""
-        routed = torch.full((n_rows, self.n_layers, self.topk), -1, dtype=torch.int16)
+        """[n_rows, layers, k] uint8 for row i of a batch of `batch` rows, its input left-padded by `pad`."""
+        routed = torch.full((n_rows, self.n_layers, self.topk), NO_EXPERT, dtype=ROUTING_DTYPE)
         for layer, calls in self.calls.items():
             prefill_BWk = calls[0].view(batch, -1, self.topk)
             ids = torch.cat([prefill_BWk[i, pad:], *(step[i : i + 1] for step in calls[1:])])[:n_rows]
             if len(ids) < n_rows:  # transformers' decode loop ran otherwise than one forward per token
                 raise RuntimeError(f"layer {layer}: {len(ids)} routed tokens captured for {n_rows} expected")
-            routed[:, layer] = ids.to(device="cpu", dtype=torch.int16)
+            routed[:, layer] = routing_tensor(ids.cpu())
         return routed
 
 

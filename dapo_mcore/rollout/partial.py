@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dapo_mcore.data.types import Group, Sample
+import torch
+
+from dapo_mcore.data.types import Group, Sample, token_tensor, value_tensor
 from dapo_mcore.rollout.base import AnswerRequest, Completion
 
 
@@ -65,14 +67,15 @@ def extend_answer(sample: Sample, completion: Completion, version: int) -> Sampl
             runs.append([version, new])
     return Sample(
         prompt_ids=sample.prompt_ids,
-        response_ids=_ints(sample.response_ids) + list(completion.token_ids),
-        rollout_logprobs=_ints(sample.rollout_logprobs) + list(completion.logprobs),
+        response_ids=torch.cat([token_tensor(sample.response_ids), token_tensor(completion.token_ids)]),
+        rollout_logprobs=torch.cat([value_tensor(sample.rollout_logprobs), value_tensor(completion.logprobs)]),
         finish_reason=completion.finish_reason,
         response_text=completion.text,
         policy_step=runs[0][0] if runs else version,
         version_runs=runs,
         # the last round's routing covers the whole answer: the engine took its earlier tokens as input
         routed_experts=completion.routed_experts,
+        routing_dropped=completion.routing_dropped,
     )
 
 

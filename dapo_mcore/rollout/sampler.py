@@ -18,7 +18,7 @@ the cap by accident (complaint 1). Round sizes are fixed, or follow a running ke
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +29,10 @@ from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.config.schema import AlgorithmConfig, RolloutConfig
 from dapo_mcore.data.datasets import PromptStream
-from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict
+from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict, token_tensor, value_tensor
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
-from dapo_mcore.rollout.exchange import GroupSummary, fetch_groups, summarize
+from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, GroupSummary, Transport, fetch_groups, summarize
 from dapo_mcore.rollout.partial import (
     QuotaStopper,
     RoundStats,
@@ -120,8 +120,13 @@ class RolloutSampler:
         all_gather: Callable[[Any], list[Any]],
         keep_filter: Callable[[Group], bool] = correctness_spread,
         engine_tp_size: int = 1,
-        # every rank's 1-D tensor padded to a length (parallel.all_gather_padded); the default: one process
-        all_gather_padded: Callable[[torch.Tensor, int], list[torch.Tensor]] = lambda t, n: [t],
+        # the all-to-all that moves the chosen groups' tokens (rollout/exchange.py Transport); None: one process
+        exchange: Transport | None = None,
+        # the data-parallel rank of every rank, and the DP rank that trains each of a step's samples given their
+        # token counts in the step's order (build.py, from the actor's DataParallelSplit); None: every rank
+        # receives every sample
+        dp_rank_of: Sequence[int] | None = None,
+        trainers_of: Callable[[list[int]], list[int]] | None = None,
     ):
         self.engine, self.tokenizer, self.prompts, self.verify = engine, tokenizer, prompts, verify
         self.settings, self.rank, self.world_size, self.all_gather = settings, rank, world_size, all_gather
@@ -129,12 +134,14 @@ class RolloutSampler:
         # same seeds and get the same answers; prompts are split over replicas, not ranks.
         self.engine_tp_size = engine_tp_size
         self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
-        self.keep_filter, self.all_gather_padded = keep_filter, all_gather_padded
+        self.keep_filter, self.exchange, self.trainers_of = keep_filter, exchange, trainers_of
+        self._ranks = ExchangeRanks(rank, engine_tp_size, tuple(dp_rank_of or [0] * world_size))
         self.carry: list[Group] = []
         # Partial rollout: groups with unfinished answers, the same on every rank, continued first next round.
         self.unfinished: list[Group] = []
         self._partial_stats: list[RoundStats] = []
-        self._local: dict[tuple[int, int], Group] = {}  # this replica's groups of the step, until it is chosen
+        # this replica's kept (and, partial rollout, unfinished) groups of the step, until the batch is chosen
+        self._local: dict[tuple[int, int], Group] = {}
         self.keep_rate = KeepRateEstimator()
 
     def next_batch(self, step: int, timer: PhaseTimer, on_round: Callable[[], None] = lambda: None) -> RolloutBatch:
@@ -159,7 +166,7 @@ class RolloutSampler:
         # AReaL's dynamic batch trains on this round's accepted groups only
         carried = surplus if cfg.carry_surplus and cfg.mode != "dynamic_batch" else []
         with timer.phase("exchange"):
-            groups = self._fetch(chosen + carried)
+            groups = self._fetch(chosen, carried)
         batch_groups, self.carry = groups[: len(chosen)], groups[len(chosen) :]
         self._assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
@@ -216,10 +223,9 @@ class RolloutSampler:
         with timer.phase("reward"):
             self._score(groups)
         keys = [(round_idx, i) for i in range(len(groups))]
-        self._local.update(zip(keys, groups))
-        gathered = self.all_gather(
-            [summarize(g, keep, self.replica, key) for g, keep, key in zip(groups, self._keep_mask(groups), keys)]
-        )
+        keep = self._keep_mask(groups)
+        self._local.update((key, g) for key, g, kept in zip(keys, groups, keep) if kept)  # only these may move
+        gathered = self.all_gather([summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)])
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
         n, tp = self.n_replicas, self.engine_tp_size
         return [gathered[(i % n) * tp][i // n] for i in range(len(prompts))]
@@ -258,7 +264,8 @@ class RolloutSampler:
         unjudged = [i for i in whole if i not in stopper.judged]  # ended in the step that stopped the round
         keep = stopper.kept | {i for i, kept in zip(unjudged, self._keep_mask([groups[i] for i in unjudged])) if kept}
         keys = [(round_idx, i) for i in range(len(groups))]
-        self._local.update(zip(keys, groups))
+        unfinished = set(range(len(groups))) - set(whole)
+        self._local.update((keys[i], groups[i]) for i in keep | unfinished)  # only these may move
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
         gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
         n, tp = self.n_replicas, self.engine_tp_size
@@ -266,9 +273,11 @@ class RolloutSampler:
         ordered = [gathered[(i % n) * tp][0][i // n] for i in range(len(inputs))]
         with timer.phase("exchange"):
             pending = [g for g in ordered if not g.finished]
-            self.unfinished = fetch_groups(
-                pending, self._local, self.replica, self.n_replicas, self.engine_tp_size, self.all_gather_padded
-            )
+            everyone = [[EVERY_RANK] * len(g.samples) for g in pending]  # each rank saves and continues them
+            self.unfinished = fetch_groups(pending, everyone, self._local, self._ranks, self.exchange)
+        for g in pending:  # every rank holds them now (self.unfinished)
+            if g.owner == self.replica:
+                del self._local[g.key]
         return [g for g in ordered if g.finished]
 
     def _judge(self, group: Group) -> bool:
@@ -296,17 +305,18 @@ class RolloutSampler:
                 samples=[
                     Sample(
                         prompt_ids=ids,
-                        response_ids=c.token_ids,
-                        rollout_logprobs=c.logprobs,
+                        response_ids=token_tensor(c.token_ids),
+                        rollout_logprobs=value_tensor(c.logprobs),
                         finish_reason=c.finish_reason,
                         response_text=c.text,
                         policy_step=step,
                         routed_experts=c.routed_experts,
+                        routing_dropped=c.routing_dropped,
                     )
                     for c in completions
                 ],
             )
-            for p, ids, completions in zip(prompts, prompt_ids, outputs)
+            for p, ids, completions in zip(prompts, map(token_tensor, prompt_ids), outputs)
         ]
 
     def _score(self, groups: list[Group]) -> None:
@@ -346,17 +356,28 @@ class RolloutSampler:
             )
         return penalty_B
 
-    def _fetch(self, wanted: list[Group | GroupSummary]) -> list[Group]:
-        """Full groups for `wanted` (carried groups already are): the tokens of the summarised ones come from the
-        replicas that generated them (collective). The step's other generated groups are dropped here."""
-        summaries = [g for g in wanted if isinstance(g, GroupSummary)]
+    def _fetch(self, chosen: list[Group | GroupSummary], carried: list[Group | GroupSummary]) -> list[Group]:
+        """The step's batch (`chosen`) and the groups carried to the next step as groups (those carried from the
+        previous step already are): the tokens of the summarised ones come from the replicas that generated
+        them (collective), each chosen sample to the ranks that train it, carried groups to every rank. The
+        step's other generated groups are dropped here."""
+        wanted = chosen + carried
+        trainers = self._trainers(chosen) + [[EVERY_RANK] * len(g.samples) for g in carried]
+        moving = [(g, t) for g, t in zip(wanted, trainers) if isinstance(g, GroupSummary)]
         fetched = iter(
-            fetch_groups(
-                summaries, self._local, self.replica, self.n_replicas, self.engine_tp_size, self.all_gather_padded
-            )
+            fetch_groups([g for g, _ in moving], [t for _, t in moving], self._local, self._ranks, self.exchange)
         )
         self._local = {}
         return [next(fetched) if isinstance(g, GroupSummary) else g for g in wanted]
+
+    def _trainers(self, chosen: list[Group | GroupSummary]) -> list[list[int]]:
+        """The DP rank that trains each sample of the step's batch, group by group (EVERY_RANK without
+        trainers_of)."""
+        lengths = [[_sample_tokens(g, i) for i in range(len(g.samples))] for g in chosen]
+        if self.trainers_of is None:
+            return [[EVERY_RANK] * len(group) for group in lengths]
+        flat = iter(self.trainers_of([n for group in lengths for n in group]))
+        return [[next(flat) for _ in group] for group in lengths]
 
     def _keep_mask(self, groups: list[Group]) -> list[bool]:
         if not self.settings.dynamic_sampling:
@@ -405,6 +426,13 @@ class RolloutSampler:
         self.unfinished = [group_from_dict(g) for g in state.get("unfinished", [])]  # saves before partial rollout
 
 
+def _sample_tokens(group: Group | GroupSummary, i: int) -> int:
+    """Prompt + response tokens of sample i of a group, or of the group a summary describes."""
+    if isinstance(group, GroupSummary):
+        return group.prompt_len + group.samples[i].response_len
+    return len(group.samples[i].prompt_ids) + len(group.samples[i].response_ids)
+
+
 def _policy_lag_metrics(batch: list[Group], step: int) -> dict[str, float]:
     """How much of the batch older weights sampled (groups carried over from earlier steps, answers continued
     by partial rollout): the share of its samples begun by older weights, the largest lag in weight versions,
@@ -448,6 +476,8 @@ def _rollout_metrics(
             "reward/timeouts": float(sum(s.timed_out for s in samples)),
         }
     )
+    if any(s.routing_shape or s.routing_dropped for s in samples):  # routing replay: the samples without it
+        metrics["rollout/routing_dropped"] = float(sum(s.routing_dropped for s in samples))
     if cfg.overlong_enabled:
         zone_start = cfg.max_response_len - cfg.overlong_buffer_len
         metrics["rollout/overlong_zone_frac"] = sum(length > zone_start for length in lengths) / n

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dapo_mcore.data.types import routing_tensor
 from dapo_mcore.rollout.base import (
     AnswerRequest,
     Completion,
@@ -143,12 +144,12 @@ class SGLangEngine:
 
     def _routed_experts(self, meta: dict) -> torch.Tensor | None:
         """SGLang's routed experts of a finished request: base64 of int32 (token, layer, k) over the prompt and
-        the output but its last token, as the engine contract's int16 [rows, layers, k]."""
+        the output but its last token, as the engine contract's uint8 [rows, layers, k]."""
         encoded = meta.get("routed_experts")
         if encoded is None or not self.settings.return_routed_experts:
             return None
         flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
-        return flat.view(-1, self.n_layers, self.topk).to(torch.int16)
+        return routing_tensor(flat.view(-1, self.n_layers, self.topk))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.engine.resume_memory_occupation(tags=tags), only=("weights",))

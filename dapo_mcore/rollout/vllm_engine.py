@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dapo_mcore.data.types import routing_tensor
 from dapo_mcore.rollout.base import (
     AnswerRequest,
     Completion,
@@ -186,9 +187,9 @@ class VLLMEngine:
 
 def _routed_experts(out) -> torch.Tensor | None:
     """vLLM's routed experts of a finished answer ([prompt + new tokens - 1, layers, k], uint8 or uint16;
-    zeros in dense layers) as the engine contract's int16; None when not asked for."""
+    zeros in dense layers) as the engine contract's uint8; None when not asked for."""
     routed = getattr(out, "routed_experts", None)
-    return None if routed is None else torch.from_numpy(np.asarray(routed).astype(np.int16))
+    return None if routed is None else routing_tensor(torch.from_numpy(np.asarray(routed).astype(np.int64)))
 
 
 def _finish_reason(reason: str | None) -> str:

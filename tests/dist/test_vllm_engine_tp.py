@@ -23,7 +23,8 @@ def test_engine_tp2_after_a_push_decodes_as_the_whole_model(tmp_path):
     reference = create_engine("hf", EngineSettings(model_path=str(MODEL)))
     tokenizer = reference.inner.tokenizer
     ids = [tokenizer(p).input_ids for p in PROMPTS]
-    want = [g[0].token_ids for g in reference.generate(ids, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))]
+    greedy = reference.generate(ids, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))
+    want = [g[0].token_ids.tolist() for g in greedy]
     assert ranks[0] == ranks[1] == want
 
 

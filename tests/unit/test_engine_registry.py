@@ -7,14 +7,22 @@ import logging
 import traceback
 
 import pytest
+import torch
 
 from dapo_mcore import cli
 from dapo_mcore.cli import main
+from dapo_mcore.data.arithmetic import ArithmeticTask
+from dapo_mcore.data.datasets import PromptStream
+from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout import registry
-from dapo_mcore.rollout.base import EngineSettings, SamplingParams
+from dapo_mcore.rollout.base import Completion, EngineSettings, SamplingParams
 from dapo_mcore.rollout.guard import GuardedEngine
+from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.errors import BAD_INPUT_EXIT_CODE, ENGINE_EXIT_CODE, ConfigError, EngineError
+from dapo_mcore.utils.timers import PhaseTimer
 from tests.conftest import REPO
+from tests.helpers import FakeTokenizer, ScriptedEngine
+from tests.unit.test_sampler import BASE
 
 
 def test_a_missing_engine_package_names_the_package_and_the_extra(monkeypatch):
@@ -122,3 +130,71 @@ def test_sleep_state_takes_each_released_pool_back_once():
     off = SleepState(False, ("weights",))
     off.release(lambda: calls.append("never"))
     assert "never" not in calls
+
+
+class Returning:
+    """An engine that returns what it is told to (the adapter's raw output: lists)."""
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    def generate(self, prompt_ids, params):
+        return [self.completions]
+
+
+def guarded(*completions) -> GuardedEngine:
+    return GuardedEngine("fake", lambda: Returning(list(completions)))
+
+
+def test_engine_outputs_cross_the_guard_as_int32_and_float32_tensors():
+    (c,) = guarded(Completion([5, 6, 7], [-0.5, -1.0, -2.0], "stop", "x")).generate([[1, 2]], SamplingParams(n=1))[0]
+    assert c.token_ids.dtype == torch.int32 and c.token_ids.tolist() == [5, 6, 7]
+    assert c.logprobs.dtype == torch.float32 and c.logprobs.tolist() == [-0.5, -1.0, -2.0]
+
+
+def test_an_answer_one_log_prob_short_stops_the_run_naming_it():
+    """It would shift every later sample of its replica's batch by one token."""
+    engine = guarded(Completion([5, 6], [-0.5, -1.0], "stop", "x"), Completion([5, 6, 7], [-0.5, -1.0], "stop", "y"))
+    with pytest.raises(EngineError, match=r"'fake' returned 2 log-probs for 3 tokens in answer 1 of prompt 0"):
+        engine.generate([[1, 2]], SamplingParams(n=2))
+
+
+def test_routing_whose_rows_do_not_match_the_tokens_is_dropped_counted_and_logged_once(caplog):
+    """Routing replay would raise on it hours into a run (one odd sample: an n > 1 child, a stop string cut):
+    the sample keeps its tokens, its routers choose for it, and rollout/routing_dropped counts it."""
+    right = torch.zeros(4, 2, 2, dtype=torch.int16)  # prompt 2 + 3 new tokens - 1 rows
+    wrong = torch.zeros(7, 2, 2, dtype=torch.int16)
+    answers = [Completion([5, 6, 7], [-0.5] * 3, "stop", "x", r) for r in (right, wrong, wrong)]
+    with caplog.at_level("WARNING", logger="dapo_mcore"):
+        out = guarded(*answers).generate([[1, 2]], SamplingParams(n=3))[0]
+    assert out[0].routed_experts.dtype == torch.uint8 and not out[0].routing_dropped
+    assert [c.routed_experts is None and c.routing_dropped for c in out[1:]] == [True, True]
+    assert caplog.text.count("routing of shape (7, 2, 2) for 4 input positions") == 1
+    # the sampler counts it, the same on every rank (from the summaries)
+    sampler = RolloutSampler(
+        GuardedEngine("fake", lambda: RoutedScripted()),
+        FakeTokenizer(),
+        PromptStream(ArithmeticTask(0, 9), seed=0),
+        VerifierPool("dapo", workers=0).verify,
+        SamplerSettings(**BASE),
+        rank=0,
+        world_size=1,
+        all_gather=lambda obj: [obj],
+    )
+    batch = sampler.next_batch(0, PhaseTimer())
+    assert batch.metrics["rollout/routing_dropped"] == batch.metrics["rollout/generated_samples"] / 2
+
+
+class RoutedScripted(ScriptedEngine):
+    """Half right, with routing: the odd answers' routing one row short."""
+
+    def __init__(self):
+        super().__init__(lambda text, j: j % 2 == 0)
+
+    def generate(self, prompt_ids, params):
+        out = super().generate(prompt_ids, params)
+        for ids, group in zip(prompt_ids, out):
+            for j, c in enumerate(group):
+                rows = len(ids) + len(c.token_ids) - 1 - j % 2
+                c.routed_experts = torch.zeros(rows, 1, 2, dtype=torch.uint8)
+        return out

@@ -16,7 +16,7 @@ import torch
 from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
 from dapo_mcore.config import load_config
 from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
-from dapo_mcore.data.types import Sample
+from dapo_mcore.data.types import NO_EXPERT, Sample
 from dapo_mcore.mcore.actor import build_actor
 from dapo_mcore.mcore.moe import AgreementCounts, ReplayedRouting
 from dapo_mcore.parallel import destroy_parallel, init_parallel
@@ -56,8 +56,8 @@ def samples(models):
     for ids, completions in zip(prompts, out):
         for c in completions:
             rows = len(ids) + len(c.token_ids) - 1
-            assert c.routed_experts.shape == (rows, 2, 2) and c.routed_experts.dtype == torch.int16
-            assert (c.routed_experts[:, 1] == -1).all() and (c.routed_experts[:, SPARSE_LAYER] >= 0).all()
+            assert c.routed_experts.shape == (rows, 2, 2) and c.routed_experts.dtype == torch.uint8
+            assert (c.routed_experts[:, 1] == NO_EXPERT).all() and (c.routed_experts[:, SPARSE_LAYER] < 4).all()
             made.append(Sample(ids, c.token_ids, c.logprobs, c.finish_reason, routed_experts=c.routed_experts))
     return made
 
@@ -176,6 +176,27 @@ def test_replay_under_full_activation_recompute_gives_the_same_gradients(models,
     assert torch.allclose(recomputed, plain, atol=1e-6, rtol=0)
 
 
+def test_without_recompute_a_router_keeps_only_the_target_of_the_forward_it_serves(models, samples):
+    """Three micro-batches in one schedule run: without activation recompute nothing takes a target back, so
+    keeping each (as a recompute needs) grew by one [tokens, k] per micro-batch and layer until the mini-batch
+    ended; only the last is read. They are kept as the samples' uint8, not int64."""
+    for s in samples:
+        s.advantage, s.old_logprobs = 1.0 if s.response_len % 2 else -1.0, [-2.0] * s.response_len
+    actor = build(models[0], replay=True, packing="off")  # micro_batch_size 2: 3 micro-batches of 6 samples
+    held = []
+    for hooks in actor.routing.hooks.values():
+        for hook in hooks:
+
+            def recording(target, hook=hook, set_target=hook.set_target):
+                set_target(target)
+                held.append((len(hook.targets), hook.targets[-1][0].dtype))
+
+            hook.set_target = recording
+    actor.compute_gradients(samples, MINI_BATCHES[0])
+    destroy_parallel()
+    assert len(held) == 3 and {n for n, _ in held} == {1} and {dtype for _, dtype in held} == {torch.uint8}
+
+
 def test_a_forward_replays_the_newest_targets_and_a_recompute_inside_backward_the_oldest():
     """With pipelining, micro-batch 2's forward runs before micro-batch 1's backward, whose activation recompute
     routes again: it must take micro-batch 1's experts (the single-stage schedule above cannot show this)."""
@@ -230,3 +251,18 @@ def test_replay_is_refused_in_one_line_where_it_cannot_run(models, tmp_path):
         _llm_kwargs(settings)  # the adapter refuses too, for callers that build it directly
     on_gpu = _llm_kwargs(dataclasses.replace(settings, device="cuda", enable_prefix_caching=False))
     assert on_gpu["enable_return_routed_experts"] and on_gpu["enable_prefix_caching"]
+
+
+def test_the_engine_is_asked_for_routing_only_for_replay(models):
+    """Routing is 48 x 8 bytes a token at 30B-A3B (48 x a token and its log-prob): asked for, moved and held
+    only when the actor replays it."""
+    from dapo_mcore.build import engine_settings, returns_routing
+
+    spec = read_model_spec(load_hf_config(str(models[0])))
+    for replay, asked in (("off", False), ("rollout", True)):
+        cfg = load_config(None, [f"model.hf_path={models[0]}", "parallel.device=cpu", f"model.routing_replay={replay}"])
+        assert returns_routing(cfg, spec) is asked
+    destroy_parallel()
+    ctx = init_parallel(1, 1, "cpu")
+    assert engine_settings(cfg, ctx, routing=returns_routing(cfg, spec)).return_routed_experts
+    destroy_parallel()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import load_hf_weights
 from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
+from dapo_mcore.data.types import NO_EXPERT, ROUTING_DTYPE
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
 from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.parallel import all_gather_objects, destroy_parallel, init_parallel
@@ -118,16 +119,17 @@ def varied_samples(budget):
 
 
 def add_routing(samples, spec) -> None:
-    """Engine routing as a replaying actor gets it: top-k distinct experts per token and sparse layer, a third
-    of the tokens unknown (-1: the router's own choice), -1 in dense layers. The same on every rank."""
+    """Engine routing as a replaying actor gets it: top-k distinct experts per token and sparse layer (uint8),
+    a third of the tokens unknown (NO_EXPERT: the router's own choice), NO_EXPERT in dense layers. The same on
+    every rank."""
     gen = torch.Generator().manual_seed(11)
     for s in samples:
         rows = len(s.prompt_ids) + len(s.response_ids) - 1
-        routed = torch.full((rows, spec.num_layers, spec.moe_topk), -1, dtype=torch.int16)
+        routed = torch.full((rows, spec.num_layers, spec.moe_topk), NO_EXPERT, dtype=ROUTING_DTYPE)
         for layer in (i for i, sparse in enumerate(spec.moe_layers) if sparse):
             ids = torch.rand(rows, spec.num_experts, generator=gen).argsort(dim=-1)[:, : spec.moe_topk]
             known = torch.rand(rows, generator=gen) > 1 / 3
-            routed[known, layer] = ids[known].to(torch.int16)
+            routed[known, layer] = ids[known].to(ROUTING_DTYPE)
         s.routed_experts = routed
 
 

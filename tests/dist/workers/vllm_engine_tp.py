@@ -26,7 +26,7 @@ def main():
     tokenizer = engine.inner.tokenizer
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))
-    torch.save({"greedy": [g[0].token_ids for g in greedy]}, f"{out}.{dist.get_rank()}.pt")
+    torch.save({"greedy": [g[0].token_ids.tolist() for g in greedy]}, f"{out}.{dist.get_rank()}.pt")
     engine.shutdown()  # at engine TP > 1 vLLM's shutdown also ends the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
