@@ -28,9 +28,16 @@ Per GPU, on the heaviest pipeline stage:
   fp32 [chunk, V/t] buffers, its fp32 weight gradient [V/t, h], the response tokens' hidden states and their
   fp32 gradient; without model.fused_logprobs, [T, V/t] logits) and one layer's backward (its gradients
   B T (h + 3f/t), with recompute=full after its group is rebuilt).
+- step batch: this rank's micro-batches of the whole step, on the device from the old log-probs to the end of
+  the update (mcore/actor.py StepBatches): its 1/DP share of the step's answers at full length, 48 B a token
+  (+ layers x top-k bytes of uint8 routing with routing replay). The trainer frees them and hands the
+  allocator's cached blocks back to the driver after each update, before the weight push.
 - engine: while generating, vLLM / SGLang take rollout.gpu_memory_utilization of the GPU for their weights
   (/ e), workspace and KV cache; asleep (sleep_level 1, 2) they keep a residue; the weight push wakes the
-  weights beside the whole actor.
+  weights beside the whole actor. They refuse to start unless their share is free: the engine starts before
+  the actor allocates (build.py start_engine), so "engine start" compares the share with the GPU less the
+  CUDA context.
+- host (optimizer.cpu_offload): offload_fraction of the fp32 master, the Adam moments and pinned fp32 grads.
 """
 
 from __future__ import annotations
@@ -198,6 +205,19 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class EngineStart:
+    """vLLM (and SGLang) refuse to start unless their share of the GPU is free. The engine starts before the
+    actor allocates anything (build.py start_engine): only the CUDA context is taken then."""
+
+    free: float  # bytes free on the GPU when the engine starts
+    asked: float  # rollout.gpu_memory_utilization x the GPU
+
+    @property
+    def fits(self) -> bool:
+        return self.free >= self.asked
+
+
+@dataclass(frozen=True)
 class Suggestion:
     change: str
     saves: float  # bytes off the peak
@@ -214,6 +234,9 @@ class MemoryPlan:
     kv: KVCache | None
     notes: tuple[str, ...] = ()
     suggestions: tuple[Suggestion, ...] = ()
+    engine_start: EngineStart | None = None
+    # Host memory a GPU's process takes for what it keeps off the GPU (optimizer.cpu_offload).
+    host_lines: tuple[Line, ...] = ()
 
     @property
     def peak(self) -> Phase:
@@ -224,8 +247,12 @@ class MemoryPlan:
         return self.kv is None or self.kv.tokens >= self.kv.sequence
 
     @property
+    def engine_starts(self) -> bool:
+        return self.engine_start is None or self.engine_start.fits
+
+    @property
     def fits(self) -> bool:
-        return self.peak.total <= self.gpu_bytes and self.kv_fits
+        return self.peak.total <= self.gpu_bytes and self.kv_fits and self.engine_starts
 
     def phase(self, name: str) -> Phase:
         return next(phase for phase in self.phases if phase.name == name)
@@ -350,14 +377,15 @@ def _plan_stage(
     transient = _activation_lines(cfg, shape, lay, tokens, pp_rank)
     engine = _EngineModel(cfg, shape, lay, tokens, gpu_gb)
     overhead = _overhead_lines(lay, sum(line.bytes for line in transient))
-    generating = (*_resident_while_generating(cfg, state), *_cached_activations(cfg, lay, transient))
+    # The update's activations and the step's micro-batches are freed and handed back to the driver after each
+    # update (trainer.py release_cached_blocks), before the push wakes the engine's weights: PyTorch's cache
+    # would otherwise keep them from the engine, whose pool (vLLM's CuMemAllocator) allocates beside it.
     phases = (
-        Phase("generate", (*generating, *engine.awake(), *overhead)),
+        Phase("generate", (*_resident_while_generating(cfg, state), *engine.awake(), *overhead)),
         Phase("train", (*state.values(), *transient, *engine.asleep(), *overhead)),
     )
     if lay.on_gpu and engine.sharded:
-        pushing = (*state.values(), *_cached_activations(cfg, lay, transient, pushing=True))
-        phases += (Phase("weight push", (*pushing, *engine.receiving(), *overhead)),)
+        phases += (Phase("weight push", (*state.values(), *engine.receiving(), *overhead)),)
     return MemoryPlan(
         gpu_bytes=gpu_gb * GIB,
         gpus=lay.gpus,
@@ -366,6 +394,8 @@ def _plan_stage(
         phases=phases,
         kv=engine.kv_cache(),
         notes=_notes(cfg, lay, tokens),
+        engine_start=engine.start(),
+        host_lines=_host_lines(cfg, shape, lay, pp_rank),
     )
 
 
@@ -405,18 +435,9 @@ def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank:
     b, opt = _DTYPE_BYTES[cfg.model.dtype], cfg.optimizer
     params, parts = _stage_params(shape, lay, pp_rank)
     p = f"{_count(params)} params"
-    dp = lay.dp if cfg.parallel.use_distributed_optimizer else 1
     on_gpu = 1.0 - (opt.offload_fraction if opt.cpu_offload else 0.0)
     master = 4 if b != 4 else 0
-    # the distributed optimizer shards dense state over DP, the experts' over the ranks holding the same experts
-    experts = _stage_expert_params(shape, lay, pp_rank)
-    edp = lay.expert_dp if cfg.parallel.use_distributed_optimizer else 1
-    sharded = (params - experts) / dp + experts / edp
-    shard = (
-        f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
-        if experts
-        else f"/ DP {dp}"
-    )
+    sharded, shard = _optimizer_shard(cfg, shape, lay, pp_rank)
     if opt.cpu_offload:
         shard += f" x {on_gpu:g} left on the GPU (optimizer.cpu_offload)"
     return {
@@ -427,33 +448,54 @@ def _actor_state_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank:
     }
 
 
+def _host_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[Line, ...]:
+    """optimizer.cpu_offload: Megatron's HybridDeviceOptimizer (through its precision-aware path, so no fp32
+    master copy stays on the GPU: mcore/actor.py) keeps offload_fraction of the fp32 master parameters and Adam
+    moments in host memory, with pinned fp32 copies of their gradients to step them there."""
+    opt = cfg.optimizer
+    if not opt.cpu_offload or not lay.on_gpu:
+        return ()
+    sharded, shard = _optimizer_shard(cfg, shape, lay, pp_rank)
+    f, p = opt.offload_fraction, f"{_count(sharded)} params {shard}"
+    return (
+        Line("fp32 master (host)", sharded * 4 * f, f"{p} x 4 B x offload_fraction {f:g}", "actor"),
+        Line("Adam moments (host)", sharded * 8 * f, f"{p} x 8 B x {f:g}", "actor"),
+        Line("fp32 gradients, pinned (host)", sharded * 4 * f, f"{p} x 4 B x {f:g}", "actor"),
+    )
+
+
+def _optimizer_shard(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
+    """Parameters whose optimizer state one GPU holds: the distributed optimizer shards the dense ones over DP,
+    the experts' over the ranks that hold the same experts."""
+    params, _ = _stage_params(shape, lay, pp_rank)
+    experts = _stage_expert_params(shape, lay, pp_rank)
+    dp = lay.dp if cfg.parallel.use_distributed_optimizer else 1
+    edp = lay.expert_dp if cfg.parallel.use_distributed_optimizer else 1
+    if not experts:
+        return params / dp, f"/ DP {dp}"
+    return (params - experts) / dp + experts / edp, (
+        f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
+    )
+
+
 def _resident_while_generating(cfg: RunConfig, state: dict[str, Line]) -> tuple[Line, ...]:
     """rollout.offload_actor frees the grad buffers and moves the optimizer state (Adam moments, the fp32 master
     copy of a bf16 / fp16 model) to the host while the engine generates (MegatronActor.offload_for_rollout);
     the weights stay."""
     if not cfg.rollout.offload_actor:
         return tuple(state.values())
+    grads = Line("actor gradients", 0.0, "freed while generating (rollout.offload_actor)")
+    if cfg.optimizer.cpu_offload:  # Megatron's hybrid optimizer keeps its GPU share there (offload skips it)
+        return state["weights"], grads, state["master"], state["moments"]
     master = state["master"]
     if master.bytes > 0:
         master = Line(master.name, 0.0, "in host memory while generating (rollout.offload_actor)", master.kind)
     return (
         state["weights"],
-        Line("actor gradients", 0.0, "freed while generating (rollout.offload_actor)"),
+        grads,
         master,
         Line("actor Adam moments", 0.0, "in host memory while generating (rollout.offload_actor)"),
     )
-
-
-def _cached_activations(cfg: RunConfig, lay: _Layout, transient: list[Line], pushing: bool = False) -> tuple[Line, ...]:
-    """PyTorch's caching allocator keeps the blocks the update freed; the engine allocates through its own pool
-    (vLLM's CuMemAllocator), so those blocks count against it until torch.cuda.empty_cache(). Only
-    rollout.offload_actor empties the cache, and only when generation starts: after the weight push."""
-    if not lay.on_gpu or (cfg.rollout.offload_actor and not pushing):
-        return ()
-    reserved = sum(line.bytes for line in transient)
-    why = "freed by the update, still reserved by PyTorch's caching allocator until torch.cuda.empty_cache()"
-    when = "(rollout.offload_actor calls it as generation starts)"
-    return (Line("actor activations (cached)", reserved, f"{why} {when}", "actor"),)
 
 
 def _layer_bytes_per_token(cfg: RunConfig, shape: ModelShape, lay: _Layout, row: int) -> tuple[float, float]:
@@ -495,8 +537,21 @@ def _activation_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _
     if scores:  # Megatron's local attention computes the scores into a persistent buffer (global memory buffer)
         lines.append(Line("attention score buffer", scores * T, f"{T} tokens x {scores:.0f} B (a s, local layers)"))
     lines.append(_peak_transient(cfg, shape, lay, tokens, pp_rank, full))
-    lines.append(Line("micro-batch tensors", T * _MICRO_BATCH_BYTES_PER_TOKEN, f"{T} tokens x 48 B"))
+    lines.append(_step_batch_line(cfg, shape, lay, tokens))
     return lines
+
+
+def _step_batch_line(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> Line:
+    """This rank's micro-batches of the whole step, built once on the device for the old log-probs and the
+    update (mcore/actor.py StepBatches) and released before the weight push (trainer.py train_phase): its
+    1/DP share of the step's answers, each planned at full length, with their routing under routing replay."""
+    ro = cfg.rollout
+    samples = -(-ro.prompts_per_step * ro.n_samples_per_prompt // lay.dp)
+    routing = shape.layers * shape.topk if shape.experts and cfg.model.routing_replay == "rollout" else 0
+    per_token = _MICRO_BATCH_BYTES_PER_TOKEN + routing
+    routed = f" + routing {shape.layers} layers x top-{shape.topk} uint8" if routing else ""
+    formula = f"{samples} answers (the step's / DP {lay.dp}) x {tokens.sequence} tokens x (48 B{routed})"
+    return Line("step batch (micro-batch tensors)", samples * tokens.sequence * per_token, formula)
 
 
 def _peak_transient(
@@ -561,7 +616,8 @@ class _EngineModel:
     def __init__(self, cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, gpu_gb: float):
         self.shape, self.lay, self.tokens = shape, lay, tokens
         self.ro, self.b = cfg.rollout, _DTYPE_BYTES[cfg.model.dtype]
-        self.share = self.ro.gpu_memory_utilization * gpu_gb * GIB
+        self.gpu = gpu_gb * GIB
+        self.share = self.ro.gpu_memory_utilization * self.gpu
         self.sharded = self.ro.engine != "hf"  # HFEngine holds the whole model, without a memory fraction
         self.weights = shape.total_params() * self.b / (lay.engine_tp if self.sharded else 1)
 
@@ -577,6 +633,11 @@ class _EngineModel:
         forward = batch * (2 * s.hidden + 2 * (s.q + 2 * s.k) / e + 3 * s.mlp_width(e, e)) * self.b
         graphs = _CUDA_GRAPHS_GIB * GIB if self.ro.cuda_graphs else 0.0
         return forward + _ENGINE_MAX_SEQS * s.vocab * 4 + graphs
+
+    def start(self) -> EngineStart | None:
+        if not self.lay.on_gpu or not self.sharded:  # HFEngine takes no fraction; nothing to refuse on the CPU
+            return None
+        return EngineStart(free=self.gpu - _CUDA_CONTEXT_GIB * GIB, asked=self.share)
 
     def kv_budget(self) -> float:
         if not self.sharded:  # HFEngine: a dynamic cache for its rows at the longest sequence
@@ -688,16 +749,35 @@ def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
         out += [f"  {line.name:<38}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in phase.lines]
         out += [f"  {'total':<38}{phase.total / GIB:>8.2f} GiB of {plan.gpu_bytes / GIB:g}", ""]
     if plan.kv is not None:
-        out += [_kv_summary(plan.kv), ""]
+        out += [_kv_summary(plan.kv)]
+    if plan.engine_start is not None:
+        out += [_engine_start_summary(plan.engine_start, plan.gpu_bytes)]
+    out += [""] if plan.kv is not None or plan.engine_start is not None else []
+    if plan.host_lines:
+        out.append(f"host memory per GPU's process ({plan.stage}), beside the GPU's:")
+        out += [f"  {line.name:<38}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in plan.host_lines]
+        host = sum(line.bytes for line in plan.host_lines)
+        out += [f"  {'total':<38}{host / GIB:>8.2f} GiB; x the GPUs of a node (8: {8 * host / GIB:.0f} GiB)", ""]
     out += [f"note: {note}" for note in plan.notes]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"{verdict}: peak {plan.peak.total / GIB:.1f} GiB ({plan.peak.name}) of {plan.gpu_bytes / GIB:g} GiB")
     if not plan.kv_fits:
         out.append(f"the engine's KV cache does not hold one sequence of {plan.kv.sequence} tokens")
+    if not plan.engine_starts:
+        out.append("the engine would be refused at start: it asks for more than is free then")
     if plan.suggestions:
         out.append("what would help (each change alone, and what it takes off the peak):")
         out += [f"  {s.change}  (-{s.saves / GIB:.1f} GiB{', fits' if s.fits else ''})" for s in plan.suggestions]
     return "\n".join(out)
+
+
+def _engine_start_summary(start: EngineStart, gpu: float) -> str:
+    verdict = "margin" if start.fits else "SHORT by"
+    return (
+        f"engine start: asks {start.asked / GIB:.1f} GiB free (rollout.gpu_memory_utilization x "
+        f"{gpu / GIB:g} GiB); {start.free / GIB:.1f} GiB is (all but the CUDA context: it starts before the "
+        f"actor allocates): {verdict} {abs(start.free - start.asked) / GIB:.1f} GiB"
+    )
 
 
 def _kv_summary(kv: KVCache) -> str:
@@ -754,7 +834,8 @@ def _suggestions(
         except (ConfigError, LayoutError):  # a layout the model or the GPU count cannot take
             continue
         saves = plan.peak.total - after.peak.total
-        if saves > 0 or (after.kv_fits and not plan.kv_fits):
+        unblocks = (after.kv_fits and not plan.kv_fits) or (after.engine_starts and not plan.engine_starts)
+        if saves > 0 or unblocks:
             found.append(Suggestion(f"{what}: {' '.join(overrides) or f'--gpus {n_gpus}'}", saves, after.fits))
     return tuple(sorted(found, key=lambda s: (not s.fits, -s.saves)))
 

@@ -21,6 +21,8 @@ from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.checkpoint.run_checkpoint import WriterDied
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.loader import config_to_dict
+from dapo_mcore.data.batching import mini_batch_ranges
+from dapo_mcore.data.types import Sample
 from dapo_mcore.launch import (
     StoppedToResume,
     agreed_stop,
@@ -31,9 +33,9 @@ from dapo_mcore.launch import (
 )
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
-from dapo_mcore.utils.errors import CheckpointError
+from dapo_mcore.utils.errors import CheckpointError, MismatchError
 from dapo_mcore.utils.logging import get_logger
-from dapo_mcore.utils.memory import memory_in_use_gb
+from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.processes import Terminated
 from dapo_mcore.utils.timers import PhaseTimer
@@ -48,7 +50,7 @@ def train(cfg: RunConfig) -> Path:
     try:
         first_step = restore(run)
         saved_step = first_step if run.resume is not None else None
-        push_weights(run)  # the engines sample from the actor's weights from the first step on
+        push_weights(run, first=True)  # the engines sample from the actor's weights from the first step on
         with run.progress:
             run.progress.resume_at(first_step)
             for step in range(first_step, cfg.trainer.steps):
@@ -197,20 +199,52 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     start = time.perf_counter()
     batch, memory = rollout_phase(run, step, timer)
     metrics = {**batch.metrics, **memory}
-    samples = batch.samples
-    if samples:  # an empty batch (nothing kept at the round cap) makes no update
-        mini_batches = split_mini_batches(len(samples), run.cfg.trainer.mini_batch_size)
-        with timer.phase("old_logprobs"):
-            batches = run.actor.prepare(samples, mini_batches)  # built once, on the device, for both phases
-            metrics.update(run.actor.compute_old_logprobs(batches, step))
-            if run.reference is not None:
-                run.reference.logprobs_into(batches, "ref_logprobs")
-        with timer.phase("update"):
-            metrics.update(run.actor.train_step(batches))
+    if batch.groups:  # an empty batch (nothing kept at the round cap) makes no update
+        metrics.update(train_phase(run, batch.samples, step, timer))
+        release_cached_blocks(run.ctx.device)  # the update's activations and the step's micro-batches
         metrics["memory/after_update_gb"] = memory_in_use_gb(run.ctx.device)
         with timer.phase("weight_push"):
             metrics.update(push_weights(run))
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
+
+
+def train_phase(run: Run, samples: list[Sample], step: int, timer: PhaseTimer) -> dict[str, float]:
+    """Old log-probs (and the mismatch guard on them), then the update, on this rank's micro-batches of the
+    step: built once on the device for both, and released when this returns, before the weight push wakes
+    the engine's weights beside the actor (the plan's "step batch" line counts them until then)."""
+    mini_batches = mini_batch_ranges(len(samples), run.cfg.trainer.mini_batch_size)
+    with timer.phase("old_logprobs"):
+        batches = run.actor.prepare(samples, mini_batches)
+        metrics = run.actor.compute_old_logprobs(batches, step)
+        if run.reference is not None:
+            run.reference.logprobs_into(batches, "ref_logprobs")
+    check_mismatch(run.cfg, step, metrics)
+    with timer.phase("update"):
+        metrics.update(run.actor.train_step(batches))
+    return metrics
+
+
+def check_mismatch(cfg: RunConfig, step: int, metrics: dict[str, float]) -> None:
+    """The guard against a broken weight push: the engine's log-probs of the answers it sampled with this
+    step's weights should be the actor's up to numerics (bf16: a KL of thousandths of a nat a token); a KL of
+    tenths or more means the engine generated with other weights (or has drifted far from the actor). Stops
+    (or warns) with one line naming the step and the gap (the metrics are the same on every rank, so every
+    rank stops alike)."""
+    mm = cfg.algorithm.mismatch
+    kl = metrics.get("mismatch/k3_kl")
+    if mm.guard == "off" or kl is None or kl <= mm.guard_max_kl:
+        return
+    message = (
+        f"step {step}: the engine's log-probs of the answers it just sampled are far from the actor's: KL(engine "
+        f"|| actor) {kl:.3g} nats a token (mismatch/k3_kl > algorithm.mismatch.guard_max_kl={mm.guard_max_kl:g}; "
+        f"mean |log-prob gap| {metrics['mismatch/abs_logp_diff_mean']:.3g}): the engine did not generate with the "
+        "actor's weights (a broken weight push?)"
+    )
+    if mm.guard == "warn":
+        log.warning("%s; training on (algorithm.mismatch.guard=warn)", message)
+        return
+    raise MismatchError(f"{message}; stopped (algorithm.mismatch.guard=stop; rollout.verify_weights=true checks "
+                        "every push's checksums)")  # fmt: skip
 
 
 def rollout_phase(run: Run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
@@ -238,10 +272,11 @@ def engine_phase(run: Run) -> Iterator[None]:
         run.actor.restore_after_rollout()
 
 
-def push_weights(run: Run) -> dict[str, float]:
-    """The actor's weights to the engine; with rollout.verify_weights, a line and metrics say what was checked
-    (a mismatch stops the run with one line naming the tensor)."""
-    verify = run.cfg.rollout.verify_weights
+def push_weights(run: Run, first: bool = False) -> dict[str, float]:
+    """The actor's weights to the engine; with rollout.verify_weights (and, by default, on a run's first push:
+    rollout.verify_first_push), a line and metrics say what was checked (a mismatch stops the run with one
+    line naming the tensor). Later pushes are watched by the mismatch guard (check_mismatch)."""
+    verify = run.cfg.rollout.verify_weights or (first and run.cfg.rollout.verify_first_push)
     start = time.perf_counter()
     stats = run.exporter.push(run.engine, verify=verify)
     if not verify:
@@ -249,11 +284,6 @@ def push_weights(run: Run) -> dict[str, float]:
     log.info("weight push verified: %d tensors (%.1f MiB) taken by the engine match the actor's checksums (%.2f s)",
              stats.tensors, stats.nbytes / 2**20, time.perf_counter() - start)  # fmt: skip
     return {"weight_sync/verified_tensors": float(stats.tensors), "weight_sync/verified_mib": stats.nbytes / 2**20}
-
-
-def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:
-    """Consecutive index ranges of at most mini_batch_size samples: one optimizer update each."""
-    return [list(range(i, min(i + mini_batch_size, n_samples))) for i in range(0, n_samples, mini_batch_size)]
 
 
 def report(run: Run, step: int, metrics: dict[str, float]) -> None:

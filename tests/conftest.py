@@ -47,6 +47,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/dist/test_moe_parallel.py",
     "tests/slurm/test_cluster.py",
     "tests/unit/test_step_batches.py",
+    "tests/unit/test_run_step.py",
     "tests/unit/test_offload.py",
     "tests/unit/test_plan.py",
     "tests/faults/test_resume_changes.py",

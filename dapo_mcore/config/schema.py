@@ -133,6 +133,9 @@ class RolloutConfig:
     # extra pass over the weights); a mismatch stops the run naming the first tensor that differs, a pass logs
     # one line and weight_sync/verified_* metrics.
     verify_weights: bool = False
+    # The same check on the run's first push only (a resume's too): a transfer path that is broken from the
+    # start stops there; later pushes are watched by algorithm.mismatch.guard.
+    verify_first_push: bool = True
     # Engine tensor-parallel size (vllm, sglang); may differ from the actor's TP. Engine replicas = world
     # size / engine_tp_size, each generating for its share of the prompts.
     engine_tp_size: int = 1
@@ -242,6 +245,12 @@ class MismatchConfig:
     # Skip (zero loss, no tokens counted) a micro-batch whose mean ratio exceeds this (RLinf's
     # early_stop_imp_ratio); null: never.
     early_stop_ratio: float | None = None
+    # The guard against a broken weight push: when the engine's answers of the step's weights have a KL(engine
+    # || actor) above guard_max_kl nats a token (mismatch/k3_kl, from the engine's and the actor's log-probs
+    # of the same tokens; bf16 numerics give thousandths; swapped gate/up weights gave 1.4 on the demo),
+    # "stop" the run with one line naming the step and the gap, "warn" and train on, or "off".
+    guard: Literal["stop", "warn", "off"] = "stop"
+    guard_max_kl: float = 0.1
 
 
 @dataclass

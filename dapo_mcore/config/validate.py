@@ -117,6 +117,7 @@ def _check_dynamic_sampling(cfg: RunConfig) -> None:
 def _check_mismatch(cfg: RunConfig) -> None:
     mm = cfg.algorithm.mismatch
     _require(mm.tis_cap > 0.0, "algorithm.mismatch.tis_cap must be > 0")
+    _require(mm.guard_max_kl > 0.0, "algorithm.mismatch.guard_max_kl must be > 0 (nats a token)")
     _require(0.0 <= mm.seq_mask_low < mm.seq_mask_high, "algorithm.mismatch: need 0 <= seq_mask_low < seq_mask_high")
     _require(
         mm.early_stop_ratio is None or mm.early_stop_ratio > 0,

@@ -40,5 +40,12 @@ class EngineError(DapoError):
     exit_code = ENGINE_EXIT_CODE
 
 
+class MismatchError(DapoError):
+    """The engine's log-probs of its own samples are far from the actor's: it generated with other weights (a
+    broken weight push). The gap is a step metric, the same on every rank."""
+
+    exit_code = ENGINE_EXIT_CODE
+
+
 class RunLockError(DapoError):
     """Another live run holds the run directory."""

@@ -155,6 +155,46 @@ def test_optimizer_bytes_per_parameter_follow_the_dtype_and_cpu_offload():
     )
 
 
+def test_cpu_offload_keeps_no_master_copy_on_the_gpu_and_plans_the_host_memory():
+    """optimizer.cpu_offload through Megatron's precision-aware path: the GPU keeps only (1 - fraction) of the
+    fp32 master and moments (also while generating, where rollout.offload_actor does not move them), the host
+    the rest and pinned fp32 gradients for them; the actor asks Megatron for that path."""
+    from dapo_mcore.mcore.actor import OptimizerSettings, megatron_optimizer_options
+
+    hf = qwen_7b()
+    cfg = config("optimizer.cpu_offload=true", "optimizer.offload_fraction=0.75", "rollout.offload_actor=true")
+    plan = plan_memory(cfg, hf, 1000, gpus=8)
+    shard = stage_params(cfg, hf, gpus=8) / 8  # TP 1, DP 8
+    for phase in ("generate", "train"):
+        assert plan.phase(phase).bytes_of("actor fp32 master") == pytest.approx(4 * shard * 0.25)
+        assert plan.phase(phase).bytes_of("actor Adam moments") == pytest.approx(8 * shard * 0.25)
+    host = {line.name: line.bytes for line in plan.host_lines}
+    assert host == pytest.approx(
+        {"fp32 master (host)": 3 * shard, "Adam moments (host)": 6 * shard, "fp32 gradients, pinned (host)": 3 * shard}
+    )
+    assert plan_memory(config(), hf, 1000, gpus=8).host_lines == ()
+    options = megatron_optimizer_options(
+        OptimizerSettings(1e-6, 0, 0, 1, 0.1, 1.0, 0.9, 0.999, 1e-8, True, cpu_offload=True, offload_fraction=0.75),
+        dataclasses.make_dataclass("C", ["bf16", "fp16", "params_dtype"])(True, False, torch.bfloat16),
+    )
+    assert options["use_precision_aware_optimizer"] and options["optimizer_cpu_offload"]
+    assert options["optimizer_offload_fraction"] == 0.75
+
+
+def test_the_step_batch_is_the_ranks_share_of_the_step_with_its_routing_under_replay():
+    """The old log-probs and the update read the step's micro-batches from the device: this rank's 1/DP share
+    of the step's answers at full length, 48 B a token, + layers x top-k bytes a token with routing replay."""
+    step = ["rollout.prompts_per_step=64", "rollout.gen_prompts_per_round=64", "rollout.n_samples_per_prompt=8"]
+    line, sequence = "step batch (micro-batch tensors)", 2048 + 20480
+    plan = plan_memory(config(*step), qwen_7b(), 1000, gpus=8)
+    assert plan.phase("train").bytes_of(line) == 64 * 8 / 8 * sequence * 48
+    assert plan.phase("weight push").bytes_of(line) == 0  # released before it
+    moe = json.loads((REPO / "examples/models/Qwen3-30B-A3B/config.json").read_text())  # 48 layers, top-8
+    off = plan_memory(config(*step), moe, 1000, gpus=8).phase("train").bytes_of(line)
+    on = plan_memory(config(*step, "model.routing_replay=rollout"), moe, 1000, gpus=8).phase("train").bytes_of(line)
+    assert on == pytest.approx(off / 48 * (48 + 48 * 8))
+
+
 def test_recompute_full_shrinks_activations_and_selective_drops_only_unfused_attention_scores():
     hf = qwen_7b()
     gpu = {

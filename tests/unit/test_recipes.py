@@ -86,3 +86,22 @@ def test_plan_says_the_recipe_fits_h100_80gb(recipe, tmp_path):
     assert plan.fits, plan.peak
     assert plan.peak.total < 0.8 * 80 * GIB  # a fifth of the GPU left for what the plan does not model
     assert plan.kv.tokens >= 20 * plan.kv.sequence  # at least 20 full-length answers decode at once per replica
+    # the engine starts before the actor allocates (build.py start_engine): its share is free then, with room
+    start = plan.engine_start
+    assert start.asked == cfg.rollout.gpu_memory_utilization * 80 * GIB
+    assert start.fits and start.free - start.asked > 20 * GIB
+
+
+def test_a_share_the_gpu_cannot_give_at_engine_start_fails_the_plan(tmp_path):
+    """vLLM refuses to start unless gpu_memory_utilization x the GPU is free: a plan that asks more than the
+    GPU has beside the CUDA context says so, and what to change."""
+    from dapo_mcore.plan import format_plan
+
+    model, gpus = RECIPES["dapo_qwen2.5_7b_h100.yaml"]
+    cfg = load("dapo_qwen2.5_7b_h100.yaml", tmp_path, "rollout.gpu_memory_utilization=0.99")
+    plan = plan_memory(cfg, json.loads((REPO / "examples/models" / model / "config.json").read_text()), 80, gpus)
+    assert not plan.engine_start.fits and not plan.fits
+    text = format_plan(plan)
+    assert "engine start: asks 79.2 GiB free" in text and "SHORT by 0.7 GiB" in text
+    assert "the engine would be refused at start" in text
+    assert any("gpu_memory_utilization=0.89" in s.change for s in plan.suggestions)
