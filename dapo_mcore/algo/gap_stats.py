@@ -15,6 +15,7 @@ Legend: N tokens, S summary entries, B bins.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -64,10 +65,12 @@ def gap_means(sums_S: torch.Tensor) -> tuple[float, float]:
     return float(sums_S[_ABS] / n), float(sums_S[_K3] / n)
 
 
-def gap_quantiles(sums_S: torch.Tensor, extremes_3: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
-    """Quantiles of d from a reduced summary with tokens in it, by torch.quantile's rule (linear between the
-    order statistics at q (n - 1)); each order statistic is placed inside its histogram bin by its rank there,
-    and the result kept within the exact extremes."""
+def gap_quantiles(
+    sums_S: torch.Tensor, extremes_3: torch.Tensor, qs: tuple[float, ...], of: Callable[[float], float] = float
+) -> list[float]:
+    """Quantiles of of(d) (an increasing function: math.exp gives the ratio's) from a reduced summary with
+    tokens in it, by torch.quantile's rule (linear between the order statistics at q (n - 1), in of's units);
+    each order statistic is placed inside its histogram bin by its rank there, within the exact extremes."""
     hist_B = sums_S[_HIST:].cpu()
     cumulative_B = hist_B.cumsum(0)
     n = float(cumulative_B[-1])
@@ -76,9 +79,9 @@ def gap_quantiles(sums_S: torch.Tensor, extremes_3: torch.Tensor, qs: tuple[floa
     for q in qs:
         position = q * (n - 1)
         below = math.floor(position)
-        lower, upper = (_order_statistic(hist_B, cumulative_B, k) for k in (below, min(below + 1, n - 1)))
-        value = lower + (position - below) * (upper - lower)
-        out.append(min(max(value, low), high))
+        ks = (below, min(below + 1, n - 1))
+        lower, upper = (of(min(max(_order_statistic(hist_B, cumulative_B, k), low), high)) for k in ks)
+        out.append(lower + (position - below) * (upper - lower))
     return out
 
 

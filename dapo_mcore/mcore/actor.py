@@ -626,8 +626,8 @@ def _gap_metrics(sums_S: torch.Tensor, extremes_3: torch.Tensor, prefix: str) ->
         f"{prefix}/ratio_max": math.exp(float(extremes_3[1])),
         f"{prefix}/ratio_min": math.exp(-float(extremes_3[2])),
     }
-    for q, gap in zip(_QUANTILES, gap_quantiles(sums_S, extremes_3, _QUANTILES)):
-        metrics[f"{prefix}/ratio_p{round(q * 100)}"] = math.exp(gap)
+    for q, ratio in zip(_QUANTILES, gap_quantiles(sums_S, extremes_3, _QUANTILES, of=math.exp)):
+        metrics[f"{prefix}/ratio_p{round(q * 100)}"] = ratio
     return metrics
 
 

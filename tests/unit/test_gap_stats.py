@@ -84,6 +84,9 @@ def test_a_few_tokens_give_torch_quantiles_rule(n):
     want = torch.quantile(diff, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
     for got, exact in zip(gap_quantiles(*summary, (0.5, 0.9, 0.99)), want):  # each order statistic within 1%
         assert got == pytest.approx(exact, abs=0.01 * float(diff.abs().max()))
+    ratios = torch.quantile(diff.exp(), torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    for got, exact in zip(gap_quantiles(*summary, (0.5, 0.9, 0.99), of=math.exp), ratios):  # in the ratio's units
+        assert got == pytest.approx(exact, rel=0.01 * float(diff.abs().max()))
 
 
 def test_no_tokens_give_no_metrics():
