@@ -9,7 +9,7 @@ build.py does (provider -> GPTModel, Megatron DDP, distributed optimizer; float3
 one `train_step` over two mini-batches of synthetic samples of one fixed length, so the second mini-batch's
 forward and backward run beside the Adam state the first one created. Measured: peak RSS (ru_maxrss) minus
 the RSS just before the model was built. Planned: the actor's lines of the plan's train phase (weights,
-gradients, optimizer, activations, score buffer, peak transient, micro-batch tensors) for the same config.
+gradients, optimizer, activations, score buffer, peak transient, step batch) for the same config.
 
 --device cuda: the same cases in bfloat16 on a GPU, measured as torch.cuda.max_memory_allocated() minus the
 allocation before the model was built (the planner's figures are per GPU, so this is their home ground):
@@ -74,6 +74,10 @@ def run_config(budget: int, recompute: str, device: str = "cpu"):
             f"trainer.max_tokens_per_micro_batch={budget}",
             f"trainer.mini_batch_size={rows}",
             f"trainer.micro_batch_size={rows}",
+            # the step the plan's "step batch" line counts: the two mini-batches build_and_step trains
+            f"rollout.prompts_per_step={2 * rows}",
+            f"rollout.gen_prompts_per_round={2 * rows}",
+            "rollout.n_samples_per_prompt=1",
             f"rollout.sampling.max_response_len={RESPONSE}",
             f"data.max_prompt_len={PROMPT}",
             "algorithm.overlong.buffer_len=64",

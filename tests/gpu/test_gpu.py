@@ -99,3 +99,15 @@ def test_thd_packing_with_transformer_engine_matches_padded_rows(hf_dir, tmp_pat
     for budget in (0, 64):
         got = {"runs": {"token-mean/4/0": out["runs"][f"token-mean/4/{budget}/thd"]}}
         assert max_grad_diff(got, out) < 1e-5
+
+
+def test_cpu_offload_keeps_no_optimizer_state_on_the_gpu(hf_dir, tmp_path):
+    """optimizer.cpu_offload through Megatron's precision-aware path (mcore/actor.py): no fp32 master copy of the
+    weights stays on the GPU and Adam's state lives in host memory, as plan.py counts it; the update still
+    moves the weights."""
+    out = tmp_path / "offload.pt"
+    run_torchrun(Path(__file__).parent / "workers" / "cpu_offload.py", 1, str(hf_dir), str(out))
+    r = torch.load(out)
+    assert r["main_params_on_gpu"] == 0 and r["state_devices"] == ["cpu"] and r["moved"]
+    # weights, fp32 grad buffers and activations' leftovers: well under the 4 + 8 B a parameter of the state
+    assert r["gpu_bytes"] < r["weight_bytes"] * (1 + 2 + 2)
