@@ -131,10 +131,6 @@ class ExchangeRanks:
         return trainer == EVERY_RANK or self.dp_rank_of[receiver] == trainer
 
 
-def one_rank() -> ExchangeRanks:
-    return ExchangeRanks(rank=0, engine_tp_size=1, dp_rank_of=(0,))
-
-
 @dataclass(frozen=True)
 class _Part:
     """One group's share of one message: which of its samples the receiver takes."""

@@ -28,6 +28,7 @@ from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.config.schema import AlgorithmConfig, RolloutConfig
+from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict, token_tensor, value_tensor
 from dapo_mcore.rewards.pool import Verdict
@@ -430,7 +431,7 @@ def _sample_tokens(group: Group | GroupSummary, i: int) -> int:
     """Prompt + response tokens of sample i of a group, or of the group a summary describes."""
     if isinstance(group, GroupSummary):
         return group.prompt_len + group.samples[i].response_len
-    return len(group.samples[i].prompt_ids) + len(group.samples[i].response_ids)
+    return sample_tokens(group.samples[i])
 
 
 def _policy_lag_metrics(batch: list[Group], step: int) -> dict[str, float]:

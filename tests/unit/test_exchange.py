@@ -16,7 +16,7 @@ from dapo_mcore.data.batching import DataParallelSplit
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import NO_EXPERT, Group, NotHere, Prompt, Sample, group_to_dict
 from dapo_mcore.rewards.pool import VerifierPool
-from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, fetch_groups, one_rank, summarize
+from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, fetch_groups, summarize
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, ScriptedEngine
@@ -169,7 +169,7 @@ def fetch_locally(groups, trainers=None):
     summaries = [summarize(g, True, 0, (0, i)) for i, g in enumerate(groups)]
     trainers = trainers or [[EVERY_RANK] * len(g.samples) for g in groups]
     local = {(0, i): g for i, g in enumerate(groups)}
-    return fetch_groups(summaries, trainers, local, one_rank(), None)
+    return fetch_groups(summaries, trainers, local, ExchangeRanks(rank=0, engine_tp_size=1, dp_rank_of=(0,)), None)
 
 
 def test_groups_come_back_bit_for_bit_with_their_scores():
