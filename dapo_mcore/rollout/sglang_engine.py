@@ -233,7 +233,11 @@ def _engine_kwargs(s: EngineSettings) -> dict:
             raise RoutingUnavailable(problem)
         kwargs["enable_return_routed_experts"] = True
     if on_cpu:  # a fraction would be of the host's memory: bound the KV pool in tokens instead
-        kwargs["mem_fraction_static"] = 0.05
+        # SGLang still checks the fraction: its KV budget is the host memory free after the load minus (1 -
+        # fraction) of what was free before it, so other processes allocating during the load (a test suite's
+        # other worker) must stay under the fraction. At 0.05 (1.2 GiB of 24) a suite run failed "Loaded weights
+        # leave no GPU memory for the KV cache"; max_total_tokens caps the pool whatever the fraction.
+        kwargs["mem_fraction_static"] = 0.3
         kwargs["max_total_tokens"] = (s.cpu_kv_cache_mb << 20) // _kv_bytes_per_token(s.model_path, s.dtype)
     else:
         kwargs["mem_fraction_static"] = s.memory_fraction
