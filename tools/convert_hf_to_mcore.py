@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Convert an HF checkpoint (Llama 3.x, Qwen2/2.5, Qwen3 dense) into a Megatron-Core distributed checkpoint.
+"""Convert an HF checkpoint into a Megatron-Core distributed checkpoint.
+
+Families (config.json model_type): llama (Llama 2 and 3.x, with Llama 3 RoPE scaling), qwen2 (Qwen2/2.5),
+qwen3 and the mixture-of-experts qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B); others are refused with one line.
 
     python tools/convert_hf_to_mcore.py HF_DIR OUT_DIR [--dtype bfloat16]
 
