@@ -33,6 +33,7 @@ from dapo_mcore.launch import (
 )
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.rollout.sampler import RolloutBatch
+from dapo_mcore.rollout.samples_log import SAMPLES_DIR, log_step_samples
 from dapo_mcore.utils.errors import CheckpointError, MismatchError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
@@ -198,6 +199,10 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
     batch, memory = rollout_phase(run, step, timer)
+    if run.writer is not None:  # rank 0, among the answers it holds; step + 1: the step once its update is done
+        tokenizer = run.sampler.tokenizer.tokenizer  # the sampler's PromptFormatter holds the HF tokenizer
+        log_step_samples(batch.groups, step + 1, run.cfg.logging.samples_per_step, tokenizer,
+                         run.run_dir / SAMPLES_DIR, run.writer.log_table)  # fmt: skip
     metrics = {**batch.metrics, **memory}
     if batch.groups:  # an empty batch (nothing kept at the round cap) makes no update
         metrics.update(train_phase(run, batch.samples, step, timer))

@@ -400,6 +400,9 @@ class LoggingConfig:
     progress: bool = True
     # Redraw the accuracy / length plot every N steps (and at the end).
     plot_interval: int = 10
+    # Write N of each step's answers (prompt, answer, verdict, reward, advantage, weight versions) to
+    # samples/step_K.jsonl and a wandb table, group by group, right and wrong in turn (docs/evaluation.md); 0: none.
+    samples_per_step: int = 4
     # A run directory is locked while its run lives; a lock whose holder runs on another host and has not
     # refreshed it for this long (a job re-queued onto another node) is taken over. Same host: the pid is checked.
     lock_stale_after_s: int = 300

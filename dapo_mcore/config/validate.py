@@ -48,6 +48,7 @@ def _check_checkpoint(cfg: RunConfig) -> None:
     run_dir = run_dir_of(cfg)
     _require(not run_dir.exists() or run_dir.is_dir(), f"logging.run_dir: {run_dir} exists and is not a directory")
     _require(cfg.logging.lock_stale_after_s > 0, "logging.lock_stale_after_s must be > 0")
+    _require(cfg.logging.samples_per_step >= 0, "logging.samples_per_step must be >= 0 (0: no samples)")
     ck = cfg.checkpoint
     _require(ck.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {ck.save_interval}")
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")

@@ -24,6 +24,7 @@ class MetricsWriter:
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb_run = None
+        self._pending_tables: dict[str, Any] = {}  # log_table's, sent with the next metrics row
         if wandb_mode != "disabled":
             self._wandb_run = _start_wandb(Path(run_dir), wandb_mode, project, run_name, config, run_id)
 
@@ -36,7 +37,20 @@ class MetricsWriter:
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
         if self._wandb_run is not None:
-            self._wandb_run.log(row, step=step)
+            tables, self._pending_tables = self._pending_tables, {}
+            self._wandb_run.log({**row, **tables}, step=step)
+
+    def log_table(self, step: int, rows: list[dict[str, Any]], key: str = "samples") -> None:
+        """rows (dicts with the same keys) as a wandb table, sent with the next metrics row (the step's, written
+        after its rollout): wandb drops data logged to a step below its newest, so the step's data goes in
+        one call. Values other than numbers, strings and booleans are shown as JSON."""
+        if self._wandb_run is None or not rows:
+            return
+        import wandb
+
+        columns = list({"step": step, **rows[0]})
+        data = [[_cell({"step": step, **row}.get(column)) for column in columns] for row in rows]
+        self._pending_tables[key] = wandb.Table(columns=columns, data=data)
 
     def close(self) -> None:
         if self._wandb_run is not None:
@@ -47,6 +61,10 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with Path(path).open() as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def _cell(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value)
 
 
 def _plain(value: Any) -> Any:
