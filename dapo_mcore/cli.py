@@ -7,6 +7,7 @@
     dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
     dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
     dapo-mcore check CONFIG.yaml [section.key=value ...]     every file the run reads is in place (before sbatch)
+    dapo-mcore plot RUN_DIR [--keys K ...] [--out FILE]      the run's metrics as a grid of plots, or chosen ones
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2; a rollout
 engine that fails ends with one line naming the engine, the call and the cause (its traceback logged above
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     keys.set_defaults(func=_list_keys)
     _add_eval_parser(sub)
     _add_plan_parser(sub)
+    _add_plot_parser(sub)
     ckpt = sub.add_parser("checkpoint", help="check saves without loading them")
     ckpt_sub = ckpt.add_subparsers(required=True, metavar="ACTION")
     verify = ckpt_sub.add_parser("verify", help="sizes and CRC-32 of every file of a save, its saves, or a run's")
@@ -113,6 +115,34 @@ def _add_plan_parser(sub) -> None:
     cmd.add_argument("--model-config", help="config.json or its directory, when model.hf_path has no weights yet")
     cmd.add_argument("--gpus", type=int, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
     cmd.set_defaults(func=_plan)
+
+
+def _add_plot_parser(sub) -> None:
+    cmd = sub.add_parser("plot", help="plots of a run's metrics: the default grid or chosen keys")
+    cmd.add_argument("run", help="a run directory, or its metrics.jsonl")
+    cmd.add_argument(
+        "--keys", nargs="+", metavar="KEY",
+        help="one panel per metric key or glob (time/*); default: the grid of curves.png",
+    )  # fmt: skip
+    cmd.add_argument("--out", help="PNG to write (default: curves.png, or plot.png with --keys, beside metrics.jsonl)")
+    cmd.set_defaults(func=_plot)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dapo_mcore.utils.errors import ConfigError
+    from dapo_mcore.utils.plot import plot_run
+
+    metrics = Path(args.run) / "metrics.jsonl" if Path(args.run).is_dir() else Path(args.run)
+    if not metrics.is_file():
+        raise ConfigError(f"plot: no metrics file at {metrics} (give a run directory or its metrics.jsonl)")
+    out = Path(args.out) if args.out else metrics.parent / ("plot.png" if args.keys else "curves.png")
+    panels = plot_run(metrics, out, title=metrics.parent.name, keys=args.keys)
+    if not panels:
+        raise ConfigError(f"plot: {metrics} has no steps to plot yet")
+    print(f"dapo-mcore plot: {out} ({len(panels)} panels: {'; '.join(panel.title for panel in panels)})")
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
