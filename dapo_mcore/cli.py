@@ -2,7 +2,7 @@
 
     dapo-mcore train CONFIG.yaml [section.key=value ...]     run DAPO (single process, or under torchrun/srun)
     dapo-mcore config CONFIG.yaml [section.key=value ...]    print the resolved config
-    dapo-mcore keys                                          list every config key
+    dapo-mcore keys [PREFIX]                                 config keys with their defaults and descriptions
     dapo-mcore eval MODEL --data FILE.jsonl [...]            avg@k / pass@k / maj@k of a model on prompt files
     dapo-mcore checkpoint verify PATH [...]                  check saves (sizes, CRC-32) without loading them
     dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
@@ -57,19 +57,68 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+# `--help` epilogs: real commands a user can paste from the repository root
+_EXAMPLES = {
+    "dapo-mcore": """\
+examples:
+  dapo-mcore train examples/smoke_cpu.yaml                       the CPU demo (60 steps, runs/smoke_cpu/)
+  dapo-mcore plan examples/dapo_qwen2.5_7b_h100.yaml --gpus 8 --model-config examples/models/Qwen2.5-7B
+  dapo-mcore check examples/dapo_qwen2.5_7b_h100.yaml            before sbatch, where the job's files are
+  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32
+  dapo-mcore keys algorithm.overlong                             keys with their defaults and descriptions
+  dapo-mcore plot runs/smoke_cpu --keys 'time/*' actor/entropy   chosen metrics, one panel each
+""",
+    "train": """\
+examples:
+  dapo-mcore train examples/smoke_cpu.yaml
+  dapo-mcore train examples/smoke_cpu.yaml trainer.steps=5 logging.wandb.mode=disabled logging.run_dir=/tmp/try
+  dapo-mcore train examples/smoke_cpu.yaml checkpoint.resume=auto     continue from the newest save
+  sbatch --nodes=1 slurm/train.sbatch examples/dapo_qwen2.5_7b_h100.yaml   on Slurm: read docs/gpu.md first
+""",
+    "check": """\
+example:
+  dapo-mcore check examples/dapo_qwen2.5_7b_h100.yaml logging.run_dir=runs/qwen7b
+""",
+    "plan": """\
+examples:
+  dapo-mcore plan examples/dapo_qwen2.5_7b_h100.yaml --gpus 8 --model-config examples/models/Qwen2.5-7B
+  dapo-mcore plan examples/dapo_qwen2.5_32b_h100.yaml rollout.engine_tp_size=4 --gpus 32 --gpu-gb 141 \\
+      --model-config examples/models/Qwen2.5-32B        overrides before the options; 141: an H200
+""",
+    "eval": """\
+examples:
+  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32
+  dapo-mcore eval runs/smoke_cpu --data examples/data/sums-eval64.jsonl --k 8 --max-new-tokens 32 --out eval.json
+""",
+    "plot": """\
+examples:
+  dapo-mcore plot runs/smoke_cpu                             redraw runs/smoke_cpu/curves.png
+  dapo-mcore plot runs/smoke_cpu --keys 'time/*' actor/entropy --out /tmp/times.png
+""",
+    "keys": """\
+examples:
+  dapo-mcore keys                       every key
+  dapo-mcore keys algorithm.overlong    the soft overlong punishment's keys
+  dapo-mcore keys trainer.eval          every key starting so (eval_interval, eval_k, ...)
+""",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dapo-mcore", description="DAPO RL training on Megatron-Core")
+    parser = _command_parser(argparse.ArgumentParser, "dapo-mcore", description="DAPO RL training on Megatron-Core")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_installed_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
     for name, func, help_ in (
         ("train", _train, "run DAPO training"),
         ("config", _show_config, "print the resolved config"),
         ("check", _check, "check the config and that every file the run reads is in place (no GPU, no model)"),
     ):
-        cmd = sub.add_parser(name, help=help_)
+        cmd = _command_parser(sub.add_parser, name, help=help_)
         cmd.add_argument("config", help="recipe YAML (see examples/)")
         cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
         cmd.set_defaults(func=func)
-    keys = sub.add_parser("keys", help="list every config key with its default")
+    keys = _command_parser(sub.add_parser, "keys", help="list config keys with their defaults and descriptions")
+    keys.add_argument("prefix", nargs="?", default="", help="only the keys starting with it, e.g. algorithm.overlong")
     keys.set_defaults(func=_list_keys)
     _add_eval_parser(sub)
     _add_plan_parser(sub)
@@ -86,29 +135,50 @@ def _add_eval_parser(sub) -> None:
     # validation's defaults, from the config schema (EvalSettings takes the same ones; not a third copy)
     from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 
-    cmd = sub.add_parser("eval", help="avg@k, pass@k and maj@k of a model on prompt files")
+    cmd = _command_parser(sub.add_parser, "eval", help="avg@k, pass@k and maj@k of a model on prompt files")
     cmd.add_argument(
         "model", help="HF model directory, Megatron-Core checkpoint / run save (step_N/), or run directory"
     )
     cmd.add_argument("--data", nargs="+", required=True, help="prompt files (.jsonl of {prompt, answer})")
     cmd.add_argument("--k", type=int, default=TrainerConfig.eval_k, help="answers per problem (default %(default)s)")
-    cmd.add_argument("--engine", default="hf", choices=["hf", "vllm", "sglang"])
-    cmd.add_argument("--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function")
-    paper = "default %(default)s (the DAPO paper's AIME evaluation: avg@32, temperature 1.0, top-p 0.7)"
-    cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=paper)
-    cmd.add_argument("--top-p", type=float, default=TrainerConfig.eval_top_p, help=paper)
-    cmd.add_argument("--max-new-tokens", type=int, default=1024)
-    cmd.add_argument("--template", default="none", choices=["none", "chat"])
-    cmd.add_argument("--instruction", default="none", help="none, dapo, or a text with {problem} in it")
-    cmd.add_argument("--device", default="cpu")
-    cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    cmd.add_argument("--seed", type=int, default=RolloutConfig.seed)
-    cmd.add_argument("--out", help="write the results as JSON here")
+    cmd.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm", "sglang"],
+        help="rollout engine that generates (default %(default)s)",
+    )
+    cmd.add_argument(
+        "--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function (default %(default)s)"
+    )
+    paper = "(default %(default)s: the DAPO paper's AIME evaluation, avg@32 at temperature 1.0, top-p 0.7)"
+    cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=f"sampling {paper}")
+    cmd.add_argument("--top-p", type=float, default=TrainerConfig.eval_top_p, help=f"nucleus sampling {paper}")
+    cmd.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer in tokens (default %(default)s)")
+    cmd.add_argument(
+        "--template", default="none", choices=["none", "chat"],
+        help="chat: wrap each problem in the model's chat template (default %(default)s: plain text)",
+    )  # fmt: skip
+    cmd.add_argument(
+        "--instruction", default="none", help="none, dapo, or a text with {problem} in it (default %(default)s)"
+    )
+    cmd.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    cmd.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights' dtype (default %(default)s)",
+    )
+    cmd.add_argument(
+        "--seed", type=int, default=RolloutConfig.seed, help="sampling seed (default %(default)s, rollout.seed's)"
+    )
+    cmd.add_argument("--out", help="write the results as JSON here (default: printed only)")
     cmd.set_defaults(func=_eval)
 
 
 def _add_plan_parser(sub) -> None:
-    cmd = sub.add_parser("plan", help="per-GPU memory of actor and engine for a config (no GPU needed)")
+    cmd = _command_parser(
+        sub.add_parser, "plan", help="per-GPU memory of actor and engine for a config (no GPU needed)"
+    )
     cmd.add_argument("config", help="recipe YAML (see examples/)")
     cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
     cmd.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
@@ -118,7 +188,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def _add_plot_parser(sub) -> None:
-    cmd = sub.add_parser("plot", help="plots of a run's metrics: the default grid or chosen keys")
+    cmd = _command_parser(sub.add_parser, "plot", help="plots of a run's metrics: the default grid or chosen keys")
     cmd.add_argument("run", help="a run directory, or its metrics.jsonl")
     cmd.add_argument(
         "--keys", nargs="+", metavar="KEY",
@@ -143,6 +213,20 @@ def _plot(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot: {metrics} has no steps to plot yet")
     print(f"dapo-mcore plot: {out} ({len(panels)} panels: {'; '.join(panel.title for panel in panels)})")
     return 0
+
+
+def _command_parser(factory, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A parser whose --help ends with the command's examples, kept as written."""
+    return factory(name, epilog=_EXAMPLES.get(name), formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dapo-mcore")
+    except PackageNotFoundError:  # run from a source tree that was never pip-installed
+        return "(not installed)"
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -243,16 +327,38 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _list_keys(args: argparse.Namespace) -> int:
+    import textwrap
+
     from dapo_mcore.config import RunConfig, all_keys
+    from dapo_mcore.config.key_docs import key_descriptions
     from dapo_mcore.config.loader import config_to_dict
 
-    defaults = config_to_dict(RunConfig())
-    for key in all_keys():
+    keys = _keys_with_prefix(all_keys(), args.prefix)
+    defaults, descriptions = config_to_dict(RunConfig()), key_descriptions()
+    for key in keys:
         value = defaults
         for part in key.split("."):
             value = value[part]
         print(f"{key} = {value!r}")
+        if key in descriptions:
+            print(textwrap.fill(descriptions[key], width=116, initial_indent="    ", subsequent_indent="    "))
     return 0
+
+
+def _keys_with_prefix(keys: list[str], prefix: str) -> list[str]:
+    """The keys starting with prefix ('trainer.eval' -> eval_interval, eval_k, ...); none: one line naming the
+    closest keys or sections."""
+    import difflib
+
+    from dapo_mcore.utils.errors import ConfigError
+
+    chosen = [key for key in keys if key.startswith(prefix)]
+    if chosen:
+        return chosen
+    sections = {key.rsplit(".", 1)[0] for key in keys if "." in key}
+    close = difflib.get_close_matches(prefix, sorted(sections) + keys, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; `dapo-mcore keys` lists them all"
+    raise ConfigError(f"keys: no config key starts with {prefix!r}{hint}")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ second copy: a prompt file's problems are formatted, k answers are sampled per p
 the verifier, and the metrics of algo/eval_metrics.py are computed per file. The model is an HF directory,
 a Megatron-Core checkpoint (tools/convert_hf_to_mcore.py output or a run save step_N/) or a run directory
 (its newest intact save): checkpoints are converted to a temporary HF directory first. Results go to a JSON
-file and a table.
+file and a table; with --save-answers every answer goes to a JSONL file too.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings
 from dapo_mcore.rollout.registry import create_engine
-from dapo_mcore.rollout.validation import EvalSettings, answer_and_check
+from dapo_mcore.rollout.validation import AnsweredProblem, EvalSettings, answer_and_check
 from dapo_mcore.utils.errors import ConfigError
 
 
@@ -41,15 +43,22 @@ def run_eval(
     device: str = "cpu",
     dtype: str = "float32",
     out: str | None = None,
+    save_answers: str | None = None,
 ) -> dict[str, Any]:
     # an HF directory is used as it is; anything else must be a checkpoint (named if it is not, before any work)
     ckpt = None if (Path(model) / "config.json").is_file() else _checkpoint_of(Path(model))
     prompt_sets = {name: load_jsonl_prompts(name) for name in files}  # every file checked before any work
-    with tempfile.TemporaryDirectory(prefix="dapo-eval.") as workdir:
+    with (
+        AnswerFile(save_answers) if save_answers else nullcontext() as answer_file,
+        tempfile.TemporaryDirectory(prefix="dapo-eval.") as workdir,
+    ):
         hf_dir = Path(model) if ckpt is None else converted_to_hf(ckpt, Path(workdir) / "hf")
         engine = EngineSettings(model_path=str(hf_dir), device=device, dtype=dtype)
-        results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, (template, instruction))
+        prompting = (template, instruction)
+        results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, prompting, answer_file)
     results["model"] = model
+    if save_answers:
+        results["answers"] = save_answers
     if ckpt is not None:
         results["converted_from"] = str(ckpt)
     if out:
@@ -95,6 +104,7 @@ def _evaluate(
     verifier: str,
     settings: EvalSettings,
     template_and_instruction: tuple[str, str],
+    answer_file: AnswerFile | None = None,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -108,15 +118,42 @@ def _evaluate(
         with _progress(sum(len(p) for p in prompt_sets.values())) as (progress, task):
             for name, prompts in prompt_sets.items():
                 progress.update(task, description=Path(name).name)
+                on_answered = answer_file.writer_for(name, encode.text) if answer_file else None
                 correct, answers = answer_and_check(
                     engine, encode, prompts, pool.verify, answer_extractor(verifier), settings,
-                    on_progress=lambda n: progress.advance(task, n),
+                    on_progress=lambda n: progress.advance(task, n), on_answered=on_answered,
                 )  # fmt: skip
                 results["files"][name] = eval_metrics(correct, answers, settings.k)
     finally:
         pool.close()
         engine.shutdown()
     return results
+
+
+class AnswerFile:
+    """`eval --save-answers`: one JSON object per answer (the data file, the problem's row, prompt, answer,
+    ground truth, extracted answer, verdict, length, finish reason), appended as each problem is checked, so
+    an interrupted evaluation keeps what it answered. Opened before any work: a bad path fails at once."""
+
+    def __init__(self, path: str):
+        try:
+            self.fh = Path(path).open("w")  # noqa: SIM115 (closed by __exit__: the file lives as long as the eval)
+        except OSError as err:
+            raise ConfigError(f"--save-answers {path}: cannot write there ({err.strerror})") from None
+
+    def writer_for(self, data_file: str, prompt_text: Callable[[str], str]) -> Callable[[AnsweredProblem], None]:
+        def write(problem: AnsweredProblem) -> None:
+            rows = problem.rows(prompt_text(problem.prompt.text))
+            self.fh.write("".join(json.dumps({"file": data_file, **row}) + "\n" for row in rows))
+            self.fh.flush()
+
+        return write
+
+    def __enter__(self) -> AnswerFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fh.close()
 
 
 class _progress:

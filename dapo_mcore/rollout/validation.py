@@ -15,7 +15,7 @@ from typing import Any
 from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 from dapo_mcore.data.types import Prompt
-from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
+from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
 
 # correct[i][j], answers[i][j]: answer j to problem i is right / its normalised final answer
 Checked = tuple[list[list[bool]], list[list[str | None]]]
@@ -37,6 +37,36 @@ class EvalSettings:
     prompts_per_call: int = _ROLLOUT.gen_prompts_per_round
 
 
+@dataclass(frozen=True)
+class AnsweredProblem:
+    """One problem's k answers as answer_and_check checked them (what `eval --save-answers` writes)."""
+
+    index: int  # the problem's position in the prompts answered (in `eval`: its row in the file)
+    prompt: Prompt
+    completions: list[Completion]
+    verdicts: list[Any]  # rewards.pool.Verdict
+    extracted: list[str | None]
+
+    def rows(self, prompt_text: str) -> list[dict[str, Any]]:
+        """One JSON-ready dict per answer; prompt_text: the prompt as the model saw it (template applied)."""
+        return [
+            {
+                "index": self.index,
+                "prompt_uid": self.prompt.uid,
+                "sample": j,
+                "prompt": prompt_text,
+                "answer": completion.text,
+                "ground_truth": self.prompt.answer,
+                "extracted": extracted,
+                "correct": bool(verdict.correct),
+                "timed_out": bool(verdict.timed_out),
+                "response_len": len(completion.token_ids),
+                "finish_reason": completion.finish_reason,
+            }
+            for j, (completion, verdict, extracted) in enumerate(zip(self.completions, self.verdicts, self.extracted))
+        ]
+
+
 def answer_and_check(
     engine: RolloutEngine,
     encode: Callable[[str], Any],
@@ -45,9 +75,11 @@ def answer_and_check(
     extract: Callable[[str], str | None],
     settings: EvalSettings,
     on_progress: Callable[[int], None] = lambda n: None,
+    on_answered: Callable[[AnsweredProblem], None] | None = None,
 ) -> Checked:
     """settings.k answers to each prompt; the seed of prompt i's answers depends on i only, so a problem gets
-    the same answers whichever call (or replica) it is sent in."""
+    the same answers whichever call (or replica) it is sent in. on_answered: called with each problem's
+    answers, in order, as they are checked."""
     correct: list[list[bool]] = []
     answers: list[list[str | None]] = []
     for start in range(0, len(prompts), settings.prompts_per_call):
@@ -62,8 +94,11 @@ def answer_and_check(
         groups = engine.generate([encode(p.text).input_ids for p in chunk], params)
         verdicts = verify([(c.text, p.answer) for p, group in zip(chunk, groups) for c in group])
         for i, group in enumerate(groups):
-            correct.append([v.correct for v in verdicts[i * settings.k : (i + 1) * settings.k]])
+            group_verdicts = verdicts[i * settings.k : (i + 1) * settings.k]
+            correct.append([v.correct for v in group_verdicts])
             answers.append([extract(c.text) for c in group])
+            if on_answered is not None:
+                on_answered(AnsweredProblem(start + i, chunk[i], list(group), group_verdicts, answers[-1]))
         on_progress(len(chunk))
     return correct, answers
 
