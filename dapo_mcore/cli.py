@@ -172,6 +172,11 @@ def _add_eval_parser(sub) -> None:
         "--seed", type=int, default=RolloutConfig.seed, help="sampling seed (default %(default)s, rollout.seed's)"
     )
     cmd.add_argument("--out", help="write the results as JSON here (default: printed only)")
+    cmd.add_argument(
+        "--save-answers", metavar="FILE.jsonl",
+        help="write every answer here, one JSON object each (prompt, answer, ground truth, extracted answer, "
+        "verdict; default: not written)",
+    )  # fmt: skip
     cmd.set_defaults(func=_eval)
 
 
@@ -248,6 +253,7 @@ def _eval(args: argparse.Namespace) -> int:
     run_eval(
         args.model, args.data, args.engine, args.verifier, settings,
         template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
+        save_answers=args.save_answers,
     )  # fmt: skip
     return 0
 
