@@ -20,7 +20,7 @@ from dapo_mcore.checkpoint.hf_io import load_hf_weights
 from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
 from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
 from dapo_mcore.config import RunConfig, dump_config, validate
-from dapo_mcore.config.loader import config_changes, config_to_dict
+from dapo_mcore.config.loader import changes_the_experiment, config_changes, config_to_dict, describe_change
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list, run_dir_of
 from dapo_mcore.data.batching import DataParallelSplit
@@ -64,7 +64,7 @@ from dapo_mcore.rollout.validation import EvalSettings, Validator
 from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunLockError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
-from dapo_mcore.utils.metrics_log import MetricsWriter, roll_back_metrics
+from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions, roll_back_metrics
 from dapo_mcore.utils.progress import RunProgress
 from dapo_mcore.utils.run_lock import RunLock
 from dapo_mcore.weight_sync import WeightExporter
@@ -191,28 +191,29 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     )
     checkpoints.remove_partials()  # the lock is held: no live run is writing them
     resume = find_resume(cfg, checkpoints, run_dir, spec)
-    prepare_run_dir(cfg, ctx, run_dir, resume)
     tokenizer = load_tokenizer(cfg.model.hf_path)
     prompts = build_prompt_setup(cfg, tokenizer, spec)
     use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu, cfg.model.fp8)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id, use_te=use_te)
     engine = start_engine(cfg, ctx, spec)
+    verifiers = None
     try:
         actor, reference, family = build_policies(cfg, ctx, spec, settings)
+        exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
+        reward = cfg.algorithm.reward
+        verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
+        sampler = build_sampler(cfg, ctx, engine, prompts, verifiers, actor.dp_split)
+        validator = build_validator(cfg, ctx, engine, prompts, verifiers)
+        prepare_run_dir(cfg, ctx, run_dir, resume, checkpoints)  # every check passed: now the directory changes
     except BaseException:
+        if verifiers is not None:
+            verifiers.close()
         engine.shutdown()
         raise
-    exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
-    reward = cfg.algorithm.reward
-    verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
-    sampler = build_sampler(cfg, ctx, engine, prompts, verifiers, actor.dp_split)
-    validator = build_validator(cfg, ctx, engine, prompts, verifiers)
     writer = None
     if ctx.rank == 0:
         run_id = resume.run_state.get("wandb_run_id") if resume else None
-        writer = MetricsWriter(
-            run_dir, cfg.logging.wandb.mode, cfg.logging.wandb.project, cfg.name, config_to_dict(cfg), run_id=run_id
-        )
+        writer = MetricsWriter(run_dir, wandb_options(cfg), cfg.name, config_to_dict(cfg), run_id=run_id)
     progress = RunProgress(enabled=ctx.rank == 0 and cfg.logging.progress, total_steps=cfg.trainer.steps)
     return Run(
         cfg,
@@ -399,7 +400,14 @@ def engine_settings(cfg: RunConfig, ctx: ParallelContext, routing: bool = False)
         weight_bucket_mb=ro.weight_bucket_mb,
         placement=placement,
         return_routed_experts=routing,
+        engine_log=cfg.logging.engine_log,
     )
+
+
+def wandb_options(cfg: RunConfig) -> WandbOptions:
+    wb = cfg.logging.wandb
+    quiet = cfg.logging.engine_log == "quiet"
+    return WandbOptions(wb.mode, wb.project, wb.entity, wb.group, list(wb.tags), quiet=quiet)
 
 
 def sampler_settings(cfg: RunConfig) -> SamplerSettings:
@@ -571,20 +579,24 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
                 "checkpoint.resume=auto, or give this run another checkpoint.dir"
             )
         return None
-    path = checkpoints.latest_complete() if choice == "auto" else checkpoints.verified(Path(choice))
+    newest = choice in ("auto", "force")
+    path = checkpoints.latest_complete() if newest else checkpoints.verified(Path(choice))
     if path is None:
-        log.info("checkpoint.resume=auto: no complete save in %s, starting from step 0", checkpoints.root)
+        log.info("checkpoint.resume=%s: no complete save in %s, starting from step 0", choice, checkpoints.root)
         return None
     resume = Resume(path, read_run_state(path, spec))
     log.info("resuming from %s at step %d", path, resume.step)
-    warn_config_changes(cfg, resume)
-    checkpoints.set_aside_after(resume.step)
+    check_config_changes(cfg, resume)
     return resume
 
 
-def warn_config_changes(cfg: RunConfig, resume: Resume) -> None:
-    """One warning listing every config key set otherwise than in the save (the model's shape was checked
-    against the save already: a change there is refused). checkpoint.resume is how a run resumes, not a change."""
+def check_config_changes(cfg: RunConfig, resume: Resume) -> None:
+    """checkpoint.resume=auto refuses a config that changes the experiment since the save (config/loader.py
+    SAME_EXPERIMENT_KEYS: anything but its length, paths, layout, logging, saving, timeouts and speed settings),
+    naming the keys: the run directory is a recipe's name, and a recipe edited (or derived) and run again
+    would otherwise continue the old experiment's weights, metrics and wandb run. Every other change, and all
+    of them with resume=force or a save's path, is listed in one warning. (The model's shape was checked
+    against the save already: a change there is refused.)"""
     saved = resume.run_state.get("config")
     if saved is None:  # a save from before configs were kept
         return
@@ -592,20 +604,33 @@ def warn_config_changes(cfg: RunConfig, resume: Resume) -> None:
     for section in (saved, now):
         section.get("checkpoint", {}).pop("resume", None)
     changes = config_changes(saved, now)
+    experiment = [change for change in changes if changes_the_experiment(change[0])]
+    if experiment and cfg.checkpoint.resume == "auto":
+        raise ConfigError(
+            f"checkpoint.resume=auto: {resume.path} is another experiment: {len(experiment)} config keys differ "
+            f"from its save ({'; '.join(map(describe_change, experiment))}); give this run its own name (or "
+            "logging.run_dir), or set checkpoint.resume=force to continue that run with the new values"
+        )
     if changes:
         log.warning("resuming from %s with %d config keys changed since the save: %s",
-                    resume.path.name, len(changes), "; ".join(changes))  # fmt: skip
+                    resume.path.name, len(changes), "; ".join(map(describe_change, changes)))  # fmt: skip
 
 
-def prepare_run_dir(cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume: Resume | None) -> None:
+def prepare_run_dir(
+    cfg: RunConfig, ctx: ParallelContext, run_dir: Path, resume: Resume | None, checkpoints: CheckpointManager
+) -> None:
     """Create the run directory (rank 0), moving a previous run's files aside rather than overwriting; when
-    resuming, keep it and move the metrics of steps that are run again to metrics.rolled_back.jsonl."""
+    resuming, keep it, set aside saves newer than the resumed one and move the metrics of steps that are run
+    again to metrics.rolled_back.jsonl. Called once the run has passed every check (data, engine, model): a
+    run that fails to start leaves the directory as it found it."""
+    if resume is not None:
+        checkpoints.set_aside_after(resume.step)
     if ctx.rank == 0:
         if resume is not None:
-            rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step)
+            rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step + 1)  # row N: N updates done
             if rolled_back:
                 log.warning(
-                    "%d metric rows from step %d on moved to metrics.rolled_back.jsonl", rolled_back, resume.step
+                    "%d metric rows after step %d moved to metrics.rolled_back.jsonl", rolled_back, resume.step
                 )
             if (run_dir / "config.yaml").exists():
                 stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -1,14 +1,17 @@
 """YAML recipes with `defaults:` inheritance, dotted command-line overrides and strict keys.
 
 A recipe names the files it inherits under `defaults:` (paths relative to the recipe), and holds only its
-differences. Overrides are `section.key=value` with YAML values. An unknown key anywhere is an error that
-names the key, where it came from, and the closest valid key.
+differences. Its `name` (and so its run directory, runs/<name>) is its own: written in the file, or the file's
+stem; never inherited, so that a recipe derived from another never continues the other's run. Overrides are
+`section.key=value` with YAML values. An unknown key anywhere is an error that names the key, where it came
+from, and the closest valid key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import re
 import types
 import typing
@@ -72,17 +75,48 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
-    """'key: old -> new' for every leaf that differs between two config_to_dict trees (keys only one has
-    included: a save from an older version, a key added since)."""
+def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for every leaf that differs between two config_to_dict trees (keys only one has
+    included, as "(absent)": a save from an older version, a key added since)."""
     changes = []
     for key in list(now) + [k for k in saved if k not in now]:
         old, new = saved.get(key, "(absent)"), now.get(key, "(absent)")
         if isinstance(old, dict) and isinstance(new, dict):
             changes += config_changes(old, new, f"{prefix}{key}.")
         elif old != new:
-            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+            changes.append((f"{prefix}{key}", old, new))
     return changes
+
+
+def describe_change(change: tuple[str, Any, Any]) -> str:
+    key, old, new = change
+    return f"{key}: {old!r} -> {new!r}"
+
+
+# What a resumed run may set otherwise and still be the same experiment (checkpoint.resume=auto refuses any
+# other change, checkpoint.resume=force takes it): how long it runs and where its files are; how it is named,
+# logged, saved, timed out and evaluated on held-out files; its layout (saves reload at another one); the speed
+# and memory settings whose gradients the tests hold equal (micro-batch splits, packing, recompute, fused
+# heads, offloading) and the engine's serving settings. What is behind a path is checked on its own: a data
+# file by its hash, the model's shape against the save. Patterns as fnmatch.
+SAME_EXPERIMENT_KEYS = (
+    "name", "note", "logging.*", "checkpoint.*", "parallel.*", "*timeout*",
+    "trainer.steps", "trainer.eval_*", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
+    "trainer.packing",
+    "model.hf_path", "model.mcore_path", "model.init", "model.transformer_impl", "model.recompute*",
+    "model.fused_*", "model.logprob_chunk_size", "model.moe_token_dispatcher",
+    "data.source", "data.eval_files", "data.allow_changed_data",
+    "optimizer.cpu_offload", "optimizer.offload_fraction",
+    "algorithm.reward.workers", "algorithm.mismatch.guard*",
+    "rollout.engine", "rollout.engine_tp_size", "rollout.weight_bucket_mb", "rollout.verify_*",
+    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_mb", "rollout.max_num_batched_tokens",
+    "rollout.max_model_len", "rollout.enable_prefix_caching", "rollout.cuda_graphs", "rollout.sleep_level",
+    "rollout.offload_actor",
+)  # fmt: skip
+
+
+def changes_the_experiment(key: str) -> bool:
+    return not any(fnmatch.fnmatchcase(key, pattern) for pattern in SAME_EXPERIMENT_KEYS)
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
@@ -123,6 +157,7 @@ def _load_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for parent in parents:
         merged = _deep_merge(merged, _load_recipe(path.parent / parent, (*chain, path)))
+    merged["name"] = raw.pop("name", None) or path.stem  # the run's name is the recipe's own (module doc)
     return _deep_merge(merged, raw)
 
 
@@ -200,6 +235,12 @@ def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
         if value not in choices:
             raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}")
         return value
+    if origin is list:  # a YAML list ([a, b]); a plain string is one item, or several comma-separated
+        items = [part.strip() for part in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise ConfigError(f"'{dotted}' must be a list, e.g. [a, b], got {value!r}")
+        (item_type,) = typing.get_args(ftype)
+        return [_coerce(item, item_type, dotted) for item in items if item != ""]
     if ftype is bool:
         value = _YAML11_BOOLS.get(value.lower(), value) if isinstance(value, str) else value
         if not isinstance(value, bool):

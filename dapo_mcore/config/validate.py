@@ -54,8 +54,8 @@ def _check_checkpoint(cfg: RunConfig) -> None:
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
     _require(ck.sigterm_grace_s >= 0, f"checkpoint.sigterm_grace_s must be >= 0, got {ck.sigterm_grace_s}")
     _require(ck.hf_export_interval >= 0, f"checkpoint.hf_export_interval must be >= 0, got {ck.hf_export_interval}")
-    _require(bool(ck.resume), 'checkpoint.resume is empty: use "none", "auto" or the path of a save')
-    if ck.resume not in ("none", "auto"):
+    _require(bool(ck.resume), 'checkpoint.resume is empty: use "none", "auto", "force" or the path of a save')
+    if ck.resume not in ("none", "auto", "force"):
         _require(Path(ck.resume).is_dir(), f"checkpoint.resume={ck.resume}: no such checkpoint directory")
     if cfg.model.init == "mcore":
         _require(bool(cfg.model.mcore_path), "model.init=mcore needs model.mcore_path (a converted checkpoint)")

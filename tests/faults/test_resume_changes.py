@@ -1,8 +1,9 @@
 """What changed between a save and its resume is said, not passed over: a data file cut short or reordered is
-refused in one line naming the file and the change (unless data.allow_changed_data), every config key set
-otherwise than in the save is listed in one warning; and rollout.verify_weights says what it checked at every
-push. Before: the changed file was used silently (or a resume past its end crashed with IndexError), config
-changes went unmentioned, and a passing check printed nothing. The tests share one saved run (1 step) and
+refused in one line naming the file and the change (unless data.allow_changed_data), a config that changes the
+experiment is refused by resume=auto (resume=force lists every changed key in one warning), a run that fails to
+start moves nothing aside; and rollout.verify_weights says what it checked at every push. Before: the changed
+file was used silently (or a resume past its end crashed with IndexError), config changes were one warning, and
+a passing check printed nothing. The tests share one saved run (1 step) and
 resume copies of it."""
 
 from __future__ import annotations
@@ -69,13 +70,23 @@ def test_a_data_file_changed_since_the_save_is_refused_unless_allowed(saved, tmp
     allowed = train(run_dir, data, *resume, "data.allow_changed_data=true")
     assert "data.allow_changed_data=true: continuing at the save's position" in allowed.stderr
     assert "(past its end: the next epoch starts)" in allowed.stderr
-    assert [r["step"] for r in read_rows(run_dir)] == [0, 1]
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
 
 
-def test_every_config_key_changed_since_the_save_is_listed_in_one_warning(saved, tmp_path):
+def test_resume_auto_refuses_a_changed_experiment_and_force_takes_it_listing_every_change(saved, tmp_path):
+    """A recipe edited (or derived from another without a name of its own) and run again with resume=auto used
+    to continue the old run's weights, metrics and wandb run, with one warning."""
     run_dir, data = resumable_copy(saved, tmp_path)
     changed = ["algorithm.clip_high=0.3", "trainer.micro_batch_size=8"]  # trainer.steps=1: nothing left to run
-    proc = train(run_dir, data, "checkpoint.resume=auto", "trainer.steps=1", *changed)
+    refused = train(run_dir, data, "checkpoint.resume=auto", "trainer.steps=1", *changed, expect=2)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"dapo-mcore: error: checkpoint.resume=auto: {run_dir}/checkpoints/step_000001 is another experiment: 1 "
+        "config keys differ from its save (algorithm.clip_high: 0.28 -> 0.3); give this run its own name (or "
+        "logging.run_dir), or set checkpoint.resume=force to continue that run with the new values"
+    )
+    assert "Traceback" not in refused.stderr
+    proc = train(run_dir, data, "checkpoint.resume=force", "trainer.steps=1", *changed)
     (warning,) = [line for line in proc.stderr.splitlines() if "config keys changed since the save" in line]
     assert "resuming from step_000001 with 5 config keys changed since the save: " in warning
     for change in (f"data.source: '{saved[0].parent}/sums.jsonl' -> '{data}'", "algorithm.clip_high: 0.28 -> 0.3",
@@ -83,3 +94,13 @@ def test_every_config_key_changed_since_the_save_is_listed_in_one_warning(saved,
                    "rollout.verify_weights: True -> False"):  # fmt: skip
         assert change in warning, change
     assert "checkpoint.resume" not in warning
+
+
+def test_a_run_that_fails_its_checks_leaves_the_earlier_run_where_it_was(saved, tmp_path):
+    """The earlier run used to be moved to run.prev-* before the data, the engine and the model were checked:
+    the next resume=auto then started from step 0."""
+    run_dir, data = resumable_copy(saved, tmp_path)
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = train(run_dir, data, "data.max_prompt_len=1", expect=2)  # fails on the prompts, after the preflight
+    assert "longer than the 1 allowed (data.max_prompt_len)" in proc.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in run_dir.iterdir()) == before and not list(tmp_path.glob("run.prev-*"))

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from dapo_mcore.config import RunConfig, all_keys, dump_config, load_config, parse_override, validate
-from dapo_mcore.config.validate import eval_file_list
+from dapo_mcore.config.validate import eval_file_list, run_dir_of
 from dapo_mcore.utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +77,19 @@ def test_defaults_inheritance_then_overrides_take_precedence(tmp_path):
     child = write(tmp_path / "child.yaml", "defaults: [base.yaml]\nname: child\ntrainer:\n  steps: 9\n")
     cfg = load_config(child, ["trainer.micro_batch_size=3"])
     assert (cfg.name, cfg.trainer.steps, cfg.trainer.micro_batch_size) == ("child", 9, 3)
+
+
+def test_a_derived_recipe_without_a_name_is_named_for_its_file_never_for_its_parent(tmp_path):
+    """my_7b.yaml deriving from a recipe named dapo_qwen2.5_7b used to write into (and, with resume=auto,
+    continue) runs/dapo_qwen2.5_7b."""
+    write(tmp_path / "parent.yaml", "name: parent_run\ntrainer:\n  steps: 7\n")
+    child = write(tmp_path / "my_7b.yaml", "defaults: parent.yaml\noptimizer:\n  lr: 2.0e-6\n")
+    grandchild = write(tmp_path / "my_7b_long.yaml", "defaults: my_7b.yaml\ntrainer:\n  steps: 9\n")
+    assert load_config(child).name == "my_7b"
+    assert load_config(grandchild).name == "my_7b_long"
+    assert load_config(tmp_path / "parent.yaml").name == "parent_run"  # a name written in the file is kept
+    assert load_config(child, ["name=other"]).name == "other"
+    assert run_dir_of(load_config(child)) == Path("runs/my_7b")
 
 
 def test_defaults_cycle_and_missing_parent_are_errors(tmp_path):
