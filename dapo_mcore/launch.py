@@ -22,6 +22,14 @@ the signal lands while the checkpoint writer forks. A run whose KeyboardInterrup
 train on; every rank stops at the next step boundary instead (`agreed_stop` returns "SIGINT"). The same holds
 for `Terminated` (seen: dropped in a regex object's __del__ run by the garbage collector, after which the run
 ignored every further SIGTERM and trained on): `agreed_stop` returns "SIGTERM at once" (or "SIGUSR1 at once").
+
+The job's end time. Slurm's warning only helps if it comes a step and a save before the limit, and the lead
+is a guess made at submission. So rank 0 also reads the job's end (SLURM_JOB_END_TIME, else `squeue`, again
+every few minutes: `scontrol update TimeLimit=` moves it), times its own steps and saves (`JobClock`), and at
+each step boundary asks whether the longest recent step plus a save plus `checkpoint.time_limit_margin_s` still
+end before it; when not, its answer joins the same `agreed_stop` gather as a signal and the run stops the
+same way (save, exit 75); rank 0 then creates the stop file itself, so the batch script re-queues as after
+Slurm's warning.
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,15 @@ STOP_FILE_ENV = "DAPO_STOP_FILE"
 AT_ONCE = " at once"  # appended to a signal's name: a stop whose Terminated was dropped (module doc)
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
 SAVED_STOP_SUFFIX = ".saved"
+TIME_LIMIT_REASON = "the job's time limit"  # the run's own stop: a step and a save would end after the job
+END_TIME_REFRESH_S = 600.0  # `scontrol update TimeLimit=` moves the end: read it again this often
+# The next step is estimated by the longest of the last RECENT_STEPS (a validation every <= 20 steps is in them,
+# a slow first step leaves them); not the mean: one step longer than the estimate costs the work since a save.
+RECENT_STEPS = 20
+# Before this attempt has timed a save: its size at the write rate of a slow shared file system (0.5 GB/s for a
+# whole job's shards), plus a save's own start (planning, forking the writer, checksums).
+SAVE_ESTIMATE_BYTES_PER_S = 0.5e9
+SAVE_ESTIMATE_FIXED_S = 10.0
 
 
 class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
@@ -66,6 +86,7 @@ class _StopState:
     run_pid: int = 0  # the process that installed the handlers (forked helpers inherit them)
     save_on_signal: bool = True
     sigterm_grace_s: float = 20.0
+    job_clock: JobClock | None = None  # rank 0 under Slurm: when the job ends, how long a step and a save take
 
 
 _state = _StopState()
@@ -104,7 +125,8 @@ def agreed_stop() -> str | None:
     slightly different times; all of them must stop after the same step)."""
     from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
 
-    reasons = [r for r in all_gather_objects(requested_stop()) if r is not None]
+    out_of_time = _state.job_clock.at_boundary(time.time()) if _state.job_clock is not None else None
+    reasons = [r for r in all_gather_objects(requested_stop() or out_of_time) if r is not None]
     for most_urgent in ("SIGINT", "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGTERM"):
         if most_urgent in reasons:
             return most_urgent
@@ -118,12 +140,15 @@ def stops_at_once(reason: str) -> str | None:
 
 def mark_saved_stop(stop: StoppedToResume) -> Path | None:
     """Rank 0, once the stop's save is complete: write DAPO_STOP_FILE + ".saved" (the stop's message), which
-    tells the batch script to re-queue whatever exit code srun reports. The tasks leave one by one, and
-    `srun --kill-on-bad-exit` ends those still closing down when the first exits 75: srun then reports their
-    143, not 75 (a CI run saw it)."""
+    tells the batch script to re-queue whatever exit code srun reports (after the run's own stop before the
+    time limit, DAPO_STOP_FILE too, which the script otherwise creates on Slurm's warning). The tasks leave one
+    by one, and `srun --kill-on-bad-exit` ends those still closing down when the first exits 75: srun then
+    reports their 143, not 75 (a CI run saw it)."""
     stop_file = os.environ.get(STOP_FILE_ENV)
     if not stop_file:
         return None
+    if stop.reason.startswith(TIME_LIMIT_REASON):  # no USR1 came: the stop file tells the script it is time
+        Path(stop_file).touch()
     marker = Path(stop_file + SAVED_STOP_SUFFIX)
     marker.write_text(f"{stop}\n")
     return marker
@@ -175,6 +200,110 @@ def _terminate(name: str) -> None:
         signal.signal(sig, signal.SIG_IGN)  # one unwinding at a time
     _state.terminated = name  # in case Python drops the exception (module doc)
     raise Terminated(name)
+
+
+# --- The job's end time: stopping by itself when a step and a save would no longer fit (module doc) ------------
+
+
+def step_and_save_fit(now: float, job_end: float, step_s: float, save_s: float, margin_s: float) -> bool:
+    """Would a step of `step_s` started `now`, then a save, end `margin_s` before the job's end?"""
+    return now + step_s + save_s + margin_s <= job_end
+
+
+def save_estimate_s(save_bytes: int) -> float:
+    """A save's time before one is measured: its size at a slow shared file system's rate (SAVE_ESTIMATE_*)."""
+    return SAVE_ESTIMATE_FIXED_S + save_bytes / SAVE_ESTIMATE_BYTES_PER_S
+
+
+@dataclass
+class JobClock:
+    """Rank 0's view of the time left: the job's end, the recent steps' and the last save's durations."""
+
+    job_end: float  # Unix time
+    margin_s: float
+    save_s: float  # the last save's time; before one, save_estimate_s
+    read_end: Callable[[], float | None]  # the end again (squeue), None when it cannot be read now
+    end_read_at: float
+    steps: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    last_boundary: float | None = None
+    saving_s: float = 0.0  # the saves since the last boundary: not part of a step
+
+    def at_boundary(self, now: float) -> str | None:
+        """A step boundary: the reason to stop (TIME_LIMIT_REASON ...) when the next step and a save would
+        end too late, else None. Needs one timed step: an attempt always trains a step."""
+        if self.last_boundary is not None:
+            self.steps.append(now - self.last_boundary - self.saving_s)
+        self.last_boundary, self.saving_s = now, 0.0
+        if now - self.end_read_at >= END_TIME_REFRESH_S:
+            self.job_end, self.end_read_at = self.read_end() or self.job_end, now
+        step_s = max(self.steps, default=0.0)
+        if not self.steps or step_and_save_fit(now, self.job_end, step_s, self.save_s, self.margin_s):
+            return None
+        return (
+            f"{TIME_LIMIT_REASON} (a step of up to {step_s:.0f} s, a save of {self.save_s:.0f} s and the "
+            f"{self.margin_s:.0f} s margin would end after {_clock_time(self.job_end, '%H:%M:%S')})"
+        )
+
+    def saved(self, seconds: float, whole: bool) -> None:
+        """A save took `seconds`; `whole`: written before it returned (an async save's background part is not
+        in `seconds`, so it only ever raises the estimate)."""
+        self.saving_s += seconds
+        self.save_s = seconds if whole else max(seconds, self.save_s)
+
+
+def watch_time_limit(enabled: bool, margin_s: float, save_bytes: int, environ: Mapping[str, str] = os.environ,
+                     now: Callable[[], float] = time.time) -> str | None:  # fmt: skip
+    """At the start of a run (every rank; `enabled` on rank 0 alone): watch the job's end from here on. Returns
+    the line to log, or None (off, not in a Slurm job, or a job without a time limit)."""
+    _state.job_clock = None
+    job_end = job_end_time(environ) if enabled else None
+    if job_end is None:
+        return None
+    start = now()
+    job_id = environ.get("SLURM_JOB_ID", "")
+    _state.job_clock = JobClock(job_end, margin_s, save_estimate_s(save_bytes), lambda: squeue_end_time(job_id), start)
+    return (
+        f"job ends at {_clock_time(job_end, '%H:%M')} (in {(job_end - start) / 60:.0f} min); stopping and saving "
+        "by itself when a step + save no longer fit"
+    )
+
+
+def note_save(seconds: float, whole: bool = True) -> None:
+    """The trainer's saves, timed: the next stop before the time limit counts on the last one's time."""
+    if _state.job_clock is not None:
+        _state.job_clock.saved(seconds, whole)
+
+
+def job_end_time(environ: Mapping[str, str]) -> float | None:
+    """When this Slurm job ends (Unix time): SLURM_JOB_END_TIME (Slurm 23.02 on), else squeue; None outside a
+    job, or for a job without a time limit."""
+    end = environ.get("SLURM_JOB_END_TIME", "")
+    if end.isdigit() and int(end) > 0:
+        return float(end)
+    return squeue_end_time(environ.get("SLURM_JOB_ID", ""))
+
+
+def squeue_end_time(job_id: str) -> float | None:
+    """`squeue -h -j ID -o %e`: the job's end in local time ("2026-11-25T14:02:11"); None when there is no
+    job id or squeue, it fails, or the job has no end ("N/A", "Unknown")."""
+    if not job_id:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_squeue_time(out.stdout) if out.returncode == 0 else None
+
+
+def parse_squeue_time(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text.strip()).timestamp()  # naive: local time, as squeue prints it
+    except ValueError:
+        return None
+
+
+def _clock_time(unix_time: float, fmt: str) -> str:
+    return time.strftime(fmt, time.localtime(unix_time))
 
 
 # --- Preflight: what would otherwise fail hours into a job, checked before any model allocation ---------------

@@ -21,6 +21,7 @@ from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
 from dapo_mcore.checkpoint.run_checkpoint import WriterDied
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.loader import config_to_dict
+from dapo_mcore.config.model_spec import load_hf_config
 from dapo_mcore.data.batching import mini_batch_ranges
 from dapo_mcore.data.types import Sample
 from dapo_mcore.launch import (
@@ -29,9 +30,12 @@ from dapo_mcore.launch import (
     cancel_grace,
     configure_stop,
     mark_saved_stop,
+    note_save,
     stops_at_once,
+    watch_time_limit,
 )
 from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
+from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.rollout.samples_log import SAMPLES_DIR, log_step_samples
 from dapo_mcore.utils.errors import CheckpointError, MismatchError
@@ -49,6 +53,7 @@ def train(cfg: RunConfig) -> Path:
     configure_stop(cfg.checkpoint.save_on_signal, cfg.checkpoint.sigterm_grace_s)
     run = build_run(cfg)
     try:
+        watch_job_end(run)
         first_step = restore(run)
         saved_step = first_step if run.resume is not None else None
         push_weights(run, first=True)  # the engines sample from the actor's weights from the first step on
@@ -86,6 +91,16 @@ def restore(run: Run) -> int:
     state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
     run.sampler.load_state_dict(state["sampler"])
     return int(state["step"])
+
+
+def watch_job_end(run: Run) -> None:
+    """Rank 0 under Slurm: stop and save by itself when a step and a save no longer fit before the job's end
+    (launch.watch_time_limit); its stop comes out of stop_if_signalled like a signal's."""
+    ck, enabled = run.cfg.checkpoint, run.cfg.checkpoint.stop_before_time_limit and run.ctx.rank == 0
+    save_bytes = checkpoint_bytes(load_hf_config(run.cfg.model.hf_path), run.cfg.model.dtype) if enabled else 0
+    line = watch_time_limit(enabled, ck.time_limit_margin_s, save_bytes)
+    if line:
+        log.info(line)
 
 
 def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
@@ -138,6 +153,7 @@ def should_save(cfg: RunConfig, next_step: int) -> bool:
 def save(run: Run, next_step: int, background: bool = True) -> Path:
     """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export.
     background=False: written in this process even with checkpoint.async_save."""
+    start = time.perf_counter()
     run_id = run.writer.wandb_run_id if run.writer is not None else None
     state = {
         "sampler": run.sampler.state_dict(),
@@ -148,6 +164,7 @@ def save(run: Run, next_step: int, background: bool = True) -> Path:
     every = run.cfg.checkpoint.hf_export_interval * run.cfg.checkpoint.save_interval
     if every > 0 and (next_step % every == 0 or next_step == run.cfg.trainer.steps):
         export_hf(run, path)
+    note_save(time.perf_counter() - start, whole=not (background and run.cfg.checkpoint.async_save))
     return path
 
 

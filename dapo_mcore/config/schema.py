@@ -382,6 +382,12 @@ class CheckpointConfig:
     # After SIGTERM, how long the current step may take to reach its end (and the save); then the run stops
     # without saving. Keep it below Slurm's KillWait (30 s by default), after which Slurm kills the job.
     sigterm_grace_s: float = 20.0
+    # Under Slurm, stop at a step boundary, save and exit 75 (re-queued by slurm/train.sbatch) when the longest
+    # recent step plus a save would no longer end before the job's end time (whatever --signal says).
+    stop_before_time_limit: bool = True
+    # What that stop leaves free before the job's end time, in seconds: the run's shutdown, and a step that
+    # runs longer than the longest recent one.
+    time_limit_margin_s: float = 120.0
 
 
 @dataclass

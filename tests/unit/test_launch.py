@@ -219,3 +219,130 @@ def test_end_children_kills_workers_that_ignore_sigterm_without_waiting_for_them
     assert int(count) == 2 and ended.strip() == "[True, True]"  # both ended (reaped by end_children)
     assert float(seconds) < 20  # not the 30 s a worker that ignores SIGTERM would be given
     assert (tmp_path / "termed").exists()  # the other one was asked first, with SIGTERM
+
+
+# --- The run's own stop before the job's time limit (fake clocks: a boundary's `now` is passed in) -------------
+
+
+@pytest.fixture
+def no_job_clock():
+    yield
+    launch._state.job_clock = None
+
+
+def job_clock(job_end=1000.0, margin_s=100.0, save_s=50.0, read_end=lambda: None) -> launch.JobClock:
+    return launch.JobClock(job_end, margin_s, save_s, read_end, end_read_at=0.0)
+
+
+def first_stop(clock: launch.JobClock, boundaries) -> float | None:
+    """The first boundary at which the clock says stop."""
+    return next((now for now in boundaries if clock.at_boundary(now) is not None), None)
+
+
+def test_the_run_stops_at_the_boundary_where_a_step_and_a_save_no_longer_fit():
+    clock = job_clock()  # ends at 1000; a save 50 s, the margin 100 s; steps of 10 s
+    assert first_stop(clock, range(0, 1000, 10)) == 850  # 840 + 10 + 50 + 100 = 1000 still fits
+
+
+def test_the_next_step_is_estimated_by_the_longest_recent_step_not_the_mean():
+    clock = job_clock()
+    for now in (0.0, 10.0, 70.0, 80.0, 90.0):  # steps of 10, 60, 10, 10 s: mean 22.5, longest 60
+        assert clock.at_boundary(now) is None
+    assert clock.at_boundary(100.0) is None  # 100 + 60 + 50 + 100 = 310
+    clock.last_boundary = 780.0  # a step of 10 s ends at 790: 790 + 60 + 50 + 100 = 1000 still fits
+    assert clock.at_boundary(790.0) is None
+    reason = clock.at_boundary(800.0)  # 800 + 60 + 50 + 100 = 1010: would end after the job
+    assert reason.startswith(launch.TIME_LIMIT_REASON) and "a step of up to 60 s, a save of 50 s" in reason
+
+
+def test_the_first_boundary_of_an_attempt_never_stops_it():
+    """No step timed yet: an attempt always trains a step (a job re-queued into a short window still progresses)."""
+    assert job_clock().at_boundary(999.0) is None
+
+
+def test_a_save_is_not_counted_as_step_time_and_the_last_one_replaces_the_estimate():
+    clock = job_clock(save_s=300.0)  # the estimate before a save
+    clock.at_boundary(0.0)
+    clock.saved(8.0, whole=True)  # a step of 10 s, then a save of 8 s
+    clock.at_boundary(18.0)
+    assert list(clock.steps) == [10.0] and clock.save_s == 8.0
+    clock.saved(2.0, whole=False)  # an async save's foreground part says little of the whole write
+    assert clock.save_s == 8.0
+    assert first_stop(clock, range(30, 1000, 10)) == 890  # 880 + 10 + 8 + 100 fits (with the estimate: 600)
+    assert max(clock.steps) == 10.0  # the 2 s of that async save were not a step's
+
+
+def test_a_time_limit_extended_during_the_job_is_read_again(monkeypatch):
+    clock = job_clock(read_end=lambda: 5000.0)  # `scontrol update TimeLimit=...` moved the end
+    clock.at_boundary(500.0)
+    assert clock.at_boundary(510.0) is None and clock.job_end == 1000.0  # read 510 s ago: not yet again
+    assert clock.at_boundary(900.0) is None and clock.job_end == 5000.0  # read again after END_TIME_REFRESH_S
+
+
+def test_an_end_time_that_cannot_be_read_again_keeps_the_last_one():
+    clock = job_clock(read_end=lambda: None)  # squeue failed this time
+    clock.at_boundary(600.0)
+    assert clock.at_boundary(990.0).startswith(launch.TIME_LIMIT_REASON) and clock.job_end == 1000.0
+
+
+def test_the_job_end_comes_from_slurm_job_end_time_else_squeue(monkeypatch):
+    monkeypatch.setattr(launch, "squeue_end_time", lambda job_id: 4242.0 if job_id == "17" else None)
+    assert launch.job_end_time({"SLURM_JOB_END_TIME": "1764000000", "SLURM_JOB_ID": "17"}) == 1764000000.0
+    assert launch.job_end_time({"SLURM_JOB_ID": "17"}) == 4242.0  # Slurm before 23.02 sets no end time
+    assert launch.job_end_time({}) is None  # not in a Slurm job
+
+
+def test_squeue_end_times_are_local_times_and_a_job_without_a_limit_has_none():
+    from datetime import datetime
+
+    assert launch.parse_squeue_time("2026-11-25T14:02:11\n") == datetime(2026, 11, 25, 14, 2, 11).timestamp()
+    assert launch.parse_squeue_time("N/A\n") is None and launch.parse_squeue_time("Unknown") is None
+    assert launch.squeue_end_time("") is None
+
+
+def test_squeue_missing_or_failing_gives_no_end_time(monkeypatch):
+    import subprocess
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("squeue")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert launch.squeue_end_time("17") is None
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="slurm_load_jobs error: Invalid job id")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    assert launch.squeue_end_time("17") is None
+
+
+def test_watching_the_time_limit_logs_when_the_job_ends_and_is_off_outside_a_job(no_job_clock):
+    environ = {"SLURM_JOB_END_TIME": "4600"}
+    line = launch.watch_time_limit(True, 120.0, 10**9, environ, now=lambda: 1000.0)
+    end = time.strftime("%H:%M", time.localtime(4600))
+    assert line == f"job ends at {end} (in 60 min); stopping and saving by itself when a step + save no longer fit"
+    assert launch._state.job_clock.save_s == launch.SAVE_ESTIMATE_FIXED_S + 2.0  # 1 GB at 0.5 GB/s
+    assert launch.watch_time_limit(False, 120.0, 10**9, environ) is None  # off, or not rank 0
+    assert launch._state.job_clock is None  # a later run in the same process does not inherit the clock
+    assert launch.watch_time_limit(True, 120.0, 10**9, {}) is None  # not in a Slurm job
+
+
+def test_rank_0s_time_limit_stop_joins_the_same_gather_as_the_signals(monkeypatch, no_job_clock):
+    import dapo_mcore.parallel
+
+    gathered = []
+    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: gathered.append(obj) or [obj, None])
+    monkeypatch.setattr(launch, "requested_stop", lambda: None)
+    launch._state.job_clock = job_clock(job_end=time.time() + 60.0)
+    assert launch.agreed_stop() is None  # the first boundary: no step timed yet
+    launch._state.job_clock.last_boundary -= 30.0  # a step of 30 s: 30 + 50 + 100 s do not fit in 60
+    assert launch.agreed_stop().startswith(launch.TIME_LIMIT_REASON)
+    assert len(gathered) == 2  # one gather a boundary, as before: no extra collective
+
+
+def test_a_time_limit_stop_creates_the_stop_file_so_the_batch_script_requeues(monkeypatch, tmp_path):
+    stop_file = tmp_path / "attempt-0.stop"
+    monkeypatch.setenv(launch.STOP_FILE_ENV, str(stop_file))
+    warned = launch.StoppedToResume("Slurm's time-limit warning", 7, tmp_path / "step_000007")
+    launch.mark_saved_stop(warned)
+    assert not stop_file.exists()  # the batch script made it (or a signal came from elsewhere: no re-queue)
+    own = launch.StoppedToResume(launch.TIME_LIMIT_REASON + " (a step of up to 9 s ...)", 9, tmp_path / "step_9")
+    marker = launch.mark_saved_stop(own)
+    assert stop_file.exists() and marker.read_text().startswith("stopped by the job's time limit (a step of up to 9")
