@@ -1,7 +1,8 @@
 """slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): the CPU demo
 recipe with 2 tasks runs to the end; with a time limit shorter than the run, the job saves at the warning,
-re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics; and it re-queues
-when srun ends a task still closing down after the save (a stand-in task, seconds)."""
+re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics; so it does when
+the warning would come too late, stopping by itself on the job's end time; and it re-queues when srun ends a
+task still closing down after the save (a stand-in task, seconds)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ from tests.conftest import REPO, free_port
 STEPS = 24
 STEP_PAUSE = 2.5
 TIME_LIMIT = ["--time=2", "--signal=B:USR1@50"]
+WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
+# A warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the job's end
+# from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 55 s before it (a step of 3-4 s,
+# the save estimate of 10 s, this margin), 20 s or more before the warning could come.
+LATE_WARNING = ["--time=2", "--signal=B:USR1@5"]
+OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
 RECIPE = [
     "examples/smoke_cpu.yaml",
     f"trainer.steps={STEPS}",
@@ -40,13 +47,16 @@ RECIPE = [
 CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
 
 
-def submit(cluster, tmp_path: Path, name: str, *options: str, step_pause: float = 0.0) -> tuple[int, Path]:
+def submit(
+    cluster, tmp_path: Path, name: str, *options: str, step_pause: float = 0.0, overrides: list[str] = ()
+) -> tuple[int, Path]:
     run_dir = tmp_path / name
     env = {"DAPO_PYTHON": sys.executable, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port()),
            "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause)}  # fmt: skip
     job_id = cluster.submit(
         REPO / "slurm/train.sbatch",
         *RECIPE,
+        *overrides,
         f"logging.run_dir={run_dir}",
         sbatch_options=[*CPU_NODE, f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out", *options],
         env=env,
@@ -90,7 +100,9 @@ def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninter
 def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics(
     slurm_cluster, tmp_path, uninterrupted
 ):
-    job_id, run_dir = submit(slurm_cluster, tmp_path, "limited", *TIME_LIMIT, step_pause=STEP_PAUSE)
+    job_id, run_dir = submit(
+        slurm_cluster, tmp_path, "limited", *TIME_LIMIT, step_pause=STEP_PAUSE, overrides=WARNING_ONLY
+    )
     record = slurm_cluster.wait(job_id, timeout=900)
     out = job_output(tmp_path, "limited", job_id)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
@@ -98,16 +110,38 @@ def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics
     assert restarts >= 1, out  # the run is longer than one attempt's minute
     assert out.count("saved before the time limit: re-queueing") == restarts
     # every step ran exactly once, in order: none trained twice (nothing rolled back), none skipped
-    assert [row["step"] for row in rows(run_dir)] == list(range(STEPS))
+    assert [row["step"] for row in rows(run_dir)] == [row["step"] for row in rows(uninterrupted)]
     assert not (run_dir / "metrics.rolled_back.jsonl").exists()
     assert without_timings(rows(run_dir)) == without_timings(rows(uninterrupted))
     task0_logs = sorted((tmp_path / "logs").glob("limited-*/attempt-*-task-0.log"))
     assert len(task0_logs) == restarts + 1
     first = task0_logs[0].read_text()
-    assert "stopping before step" in first and "on Slurm's time-limit warning: saved to" in first
+    assert re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to", first), first[-3000:]
     assert "resuming from" in task0_logs[1].read_text()
     saved = next((tmp_path / "logs").glob("limited-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
     assert saved.startswith("stopped by Slurm's time-limit warning before step") and str(run_dir) in saved
+
+
+def test_a_job_whose_warning_comes_too_late_stops_by_itself_requeues_and_loses_no_step(
+    slurm_cluster, tmp_path, uninterrupted
+):
+    job_id, run_dir = submit(
+        slurm_cluster, tmp_path, "own", *LATE_WARNING, step_pause=STEP_PAUSE, overrides=OWN_STOP_MARGIN
+    )
+    record = slurm_cluster.wait(job_id, timeout=900)
+    out = job_output(tmp_path, "own", job_id)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
+    restarts = int(record["Restarts"])
+    assert restarts >= 1 and out.count("saved before the time limit: re-queueing") == restarts, out
+    assert "time limit near (USR1)" not in out  # the run stopped before Slurm's warning came
+    # every step ran exactly once, in order, with the uninterrupted job's metrics
+    assert [row["step"] for row in rows(run_dir)] == [row["step"] for row in rows(uninterrupted)]
+    assert without_timings(rows(run_dir)) == without_timings(rows(uninterrupted))
+    first = sorted((tmp_path / "logs").glob("own-*/attempt-*-task-0.log"))[0].read_text()
+    assert re.search(r"job ends at \d\d:\d\d \(in \d+ min\); stopping and saving by itself", first), first[-3000:]
+    assert re.search(r"stopping \w+ step \d+ on the job's time limit \(a step of up to \d+ s", first), first[-3000:]
+    saved = next((tmp_path / "logs").glob("own-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
+    assert saved.startswith("stopped by the job's time limit") and str(run_dir) in saved
 
 
 def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
