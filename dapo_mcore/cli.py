@@ -285,9 +285,15 @@ def _train(args: argparse.Namespace) -> int:
     from dapo_mcore.config import load_config
     from dapo_mcore.trainer import train
 
-    run_dir = train(load_config(args.config, args.overrides))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"dapo-mcore: run finished; metrics, config and curves in {run_dir}")
+    done = train(load_config(args.config, args.overrides))
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if done.first_step == done.last_step:  # a finished run, run again
+        print(f"dapo-mcore: nothing to train: {done.run_dir} is at step {done.first_step} already, trainer.steps "
+              "is not higher (raise it to train on)")  # fmt: skip
+    else:
+        steps = f"{done.first_step + 1}-{done.last_step}" if done.last_step > done.first_step + 1 else done.last_step
+        print(f"dapo-mcore: run finished: step {steps} trained; metrics, config and curves in {done.run_dir}")
     return 0
 
 

@@ -70,12 +70,12 @@ SAVE_ESTIMATE_FIXED_S = 10.0
 
 
 class StoppedToResume(Exception):  # noqa: N818 - a way of ending, not a failure
-    """The run stopped after a signal at a step boundary; `saved` holds everything up to `next_step`."""
+    """The run stopped after a signal at a step boundary, `next_step` updates done; `saved` holds them all."""
 
     def __init__(self, reason: str, next_step: int, saved: Path | None):
         self.reason, self.next_step, self.saved = reason, next_step, saved
         where = f"saved to {saved}" if saved is not None else "nothing trained since the newest save"
-        super().__init__(f"stopped by {reason} before step {next_step}; {where}")
+        super().__init__(f"stopped by {reason} after step {next_step}; {where}")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,8 +49,18 @@ from dapo_mcore.utils.timers import PhaseTimer
 log = get_logger(__name__)
 
 
-def train(cfg: RunConfig) -> Path:
-    """Run cfg.trainer.steps RL steps; returns the run directory."""
+@dataclass(frozen=True)
+class TrainOutcome:
+    run_dir: Path
+    first_step: int  # updates done when this process started (a resume's step, else 0)
+    last_step: int  # updates done when it ended
+
+
+def train(cfg: RunConfig) -> TrainOutcome:
+    """Run the updates from the run's step (0, or a resume's) to cfg.trainer.steps. One convention for steps
+    everywhere users see them: step N = N updates done (the console's `step N/total`, metrics.jsonl rows, the
+    plots, wandb, save step_00000N, stop messages); row 0 of metrics.jsonl holds only the held-out figures of
+    the weights before training. (rl_step's index and the sampler count the updates done before the one made.)"""
     configure_stop(cfg.checkpoint.save_on_signal, cfg.checkpoint.sigterm_grace_s)
     run = build_run(cfg)
     try:
@@ -59,17 +70,16 @@ def train(cfg: RunConfig) -> Path:
         push_weights(run, first=True)  # the engines sample from the actor's weights from the first step on
         with run.progress:
             run.progress.resume_at(first_step)
-            for step in range(first_step, cfg.trainer.steps):
-                stop_if_signalled(run, step, saved_step)
-                held_out = validate(run, step)  # the weights this step starts from
-                report(run, step, {**held_out, **rl_step(run, step)})
-                complete_background_save(run, step + 1)
-                if should_save(cfg, step + 1):
-                    save(run, step + 1)
-                    saved_step = step + 1
-            final = validate(run, cfg.trainer.steps)
-            if final and run.writer is not None:
-                run.writer.write(cfg.trainer.steps, final)  # a row of its own: the trained weights
+            if first_step == 0:
+                report_held_out_before_training(run)
+            for step in range(first_step + 1, cfg.trainer.steps + 1):
+                stop_if_signalled(run, step - 1, saved_step)
+                metrics = rl_step(run, step - 1)
+                report(run, step, {**metrics, **validate(run, step)})  # held out: the weights of this update
+                complete_background_save(run, step)
+                if should_save(cfg, step):
+                    save(run, step)
+                    saved_step = step
         complete_background_save(run, cfg.trainer.steps, blocking=True)
     except StoppedToResume:
         # every rank stopped at the same boundary: end together, so that srun --kill-on-bad-exit (exit 75 is
@@ -81,11 +91,18 @@ def train(cfg: RunConfig) -> Path:
         finish(run)
         raise
     finish(run, together=True)
-    return run.run_dir
+    return TrainOutcome(run.run_dir, first_step, max(first_step, cfg.trainer.steps))
+
+
+def report_held_out_before_training(run: Run) -> None:
+    """Row 0 of metrics.jsonl: the held-out figures of the weights before any update."""
+    held_out = validate(run, 0)
+    if held_out and run.writer is not None:
+        run.writer.write(0, held_out)
 
 
 def restore(run: Run) -> int:
-    """Load the save this run resumes from (if any) into actor and sampler; returns the first step to run."""
+    """Load the save this run resumes from (if any) into actor and sampler; returns its step (updates done)."""
     if run.resume is None:
         return 0
     state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
@@ -104,8 +121,9 @@ def watch_job_end(run: Run) -> None:
 
 
 def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
-    """At a step boundary: when any rank got SIGUSR1 / SIGTERM, save what was trained since the newest save
-    and raise StoppedToResume on every rank (the CLI exits 75; slurm/train.sbatch re-queues on it)."""
+    """At a step boundary, `next_step` updates done: when any rank got SIGUSR1 / SIGTERM, save what was trained
+    since the newest save and raise StoppedToResume on every rank (the CLI exits 75; slurm/train.sbatch
+    re-queues on it)."""
     reason = agreed_stop()
     if reason is None:
         return
@@ -117,7 +135,7 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
     trained_since_save = next_step != (saved_step if saved_step is not None else 0)
     path = save(run, next_step) if trained_since_save else None
     run.checkpoints.wait()  # an async save is completed before the process ends
-    log.warning("stopping before step %d on %s: %s", next_step, reason,
+    log.warning("stopping after step %d on %s: %s", next_step, reason,
                 f"saved to {path}" if trained_since_save else "nothing trained since the newest save")  # fmt: skip
     stop = StoppedToResume(reason, next_step, path)
     if run.ctx.rank == 0:  # the save is complete on every rank: rank 0 published it
@@ -195,7 +213,7 @@ def export_hf(run: Run, ckpt: Path) -> None:
 
 
 def validate(run: Run, step: int) -> dict[str, float]:
-    """eval/<file>/<metric> of the held-out files at steps 0, eval_interval, 2 x eval_interval, ... and at the
+    """eval/<file>/<metric> of the held-out files after steps 0, eval_interval, 2 x eval_interval, ... and the
     last step; {} otherwise (same on every rank)."""
     interval, last = run.cfg.trainer.eval_interval, run.cfg.trainer.steps
     if run.validator is None or (step % interval != 0 and step != last):  # no validator unless interval > 0
@@ -213,6 +231,8 @@ def validate(run: Run, step: int) -> dict[str, float]:
 
 
 def rl_step(run: Run, step: int) -> dict[str, float]:
+    """The update after `step` updates (0-based: the sampler's seeds and the answers' weight versions count so);
+    its metrics are reported as step `step + 1`."""
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
     batch, memory = rollout_phase(run, step, timer)
@@ -240,7 +260,7 @@ def train_phase(run: Run, samples: list[Sample], step: int, timer: PhaseTimer) -
         metrics = run.actor.compute_old_logprobs(batches, step)
         if run.reference is not None:
             run.reference.logprobs_into(batches, "ref_logprobs")
-    check_mismatch(run.cfg, step, metrics)
+    check_mismatch(run.cfg, step + 1, metrics)
     with timer.phase("update"):
         metrics.update(run.actor.train_step(batches))
     return metrics
@@ -314,7 +334,7 @@ def report(run: Run, step: int, metrics: dict[str, float]) -> None:
         return
     run.writer.write(step, metrics)
     interval = run.cfg.logging.plot_interval
-    if interval > 0 and (step + 1) % interval == 0:
+    if interval > 0 and step % interval == 0:
         plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
 
 

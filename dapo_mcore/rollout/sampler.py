@@ -187,7 +187,7 @@ class RolloutSampler:
         self.unfinished, stale = split_stale(self.unfinished, step, self.settings.partial_max_staleness)
         if stale:
             log.info("step %d: dropped %d unfinished groups begun over %d weight versions ago",
-                     step, len(stale), self.settings.partial_max_staleness)  # fmt: skip
+                     step + 1, len(stale), self.settings.partial_max_staleness)  # fmt: skip
         return stale
 
     def _needs_round(self, n_kept: int, rounds: int) -> bool:
@@ -390,8 +390,8 @@ class RolloutSampler:
         cfg = self.settings
         if len(kept) >= cfg.prompts_per_step:
             return False
-        message = (
-            f"step {step}: dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups after "
+        message = (  # step: the updates done before this one; users see the step this update completes
+            f"step {step + 1}: dynamic sampling kept {len(kept)} of {cfg.prompts_per_step} groups after "
             f"{cfg.max_rounds} rounds (algorithm.dynamic_sampling.max_rounds)"
         )
         if cfg.on_cap == "error":

@@ -29,8 +29,9 @@ _SUMMARY = (
 
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """`step` counts updates done (1..total), as metrics.jsonl, the plots, the saves and the stop messages do."""
     parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in _SUMMARY if key in metrics]
-    return f"step {step + 1}/{total} | " + " | ".join(parts)
+    return f"step {step}/{total} | " + " | ".join(parts)
 
 
 class RunProgress:
@@ -61,9 +62,9 @@ class RunProgress:
             self._progress.stop()
 
     def resume_at(self, step: int) -> None:
-        """A resumed run: steps before `step` are done."""
+        """A resumed run: `step` updates are done."""
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, description=f"step {step + 1}: generating")
+            self._progress.update(self._task, completed=step, description=self._next(step))
 
     def round_done(self) -> None:
         self._rounds += 1
@@ -80,4 +81,7 @@ class RunProgress:
             log.info(line)
             return
         self._progress.console.print(line, highlight=False, soft_wrap=True)
-        self._progress.update(self._task, advance=1, description=f"step {step + 2}: generating")
+        self._progress.update(self._task, completed=step, description=self._next(step))
+
+    def _next(self, done: int) -> str:
+        return f"step {done + 1}: generating" if done < self.total_steps else f"{done} steps done"

@@ -44,7 +44,7 @@ def test_training_with_engine_tp2_splits_prompts_over_replicas_and_completes(tmp
         f"logging.run_dir={run_dir}",
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     # Both ranks of the engine group sent the same prompts (else the SPMD engine hangs or mixes them up), and
     # its answers' log-probs are the actor's.
     assert all(r["rollout/generated_samples"] > 0 and r["mismatch/abs_logp_diff_max"] < 1e-4 for r in rows)

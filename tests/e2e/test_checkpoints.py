@@ -79,7 +79,7 @@ def run_until_killed(run_dir: Path, kill_after_rows: int, *extra: str) -> None:
 def test_a_run_killed_mid_step_resumes_to_identical_metrics_and_weights(reference, tmp_path, save_mode):
     run_dir = tmp_path / "run"
     mode = [f"checkpoint.async_save={save_mode == 'async'}"]
-    run_until_killed(run_dir, 5, *mode)  # killed during step 5
+    run_until_killed(run_dir, 5, *mode)  # killed during step 6
     assert not (run_dir / "checkpoints" / "step_000006").exists()
     proc = cli(*train_args(run_dir, "checkpoint.resume=auto", "checkpoint.hf_export_interval=3", *mode))
     # the newest save is step_000004; a background save of it may not have been completed before the kill
@@ -90,7 +90,7 @@ def test_a_run_killed_mid_step_resumes_to_identical_metrics_and_weights(referenc
     rolled_back = [
         json.loads(line)["step"] for line in (run_dir / "metrics.rolled_back.jsonl").read_text().splitlines()
     ]
-    assert rolled_back == list(range(resumed_at, 5))  # logged before the kill, run again after the resume
+    assert rolled_back == list(range(resumed_at + 1, 6))  # logged before the kill, run again after the resume
     want, got = hf_weights(reference / "checkpoints/hf/step_000006"), hf_weights(run_dir / "checkpoints/hf/step_000006")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -103,9 +103,9 @@ def test_a_run_killed_with_unfinished_answers_saved_continues_them_to_identical_
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     cli(*train_args(reference, *PARTIAL))
     rows = read_rows(reference)
-    assert rows[3]["rollout/unfinished_groups"] > 0  # the save before step 4 holds unfinished answers
-    assert rows[4]["rollout/continued_answers"] > 0  # and step 4 continues them
-    run_until_killed(run_dir, 5, *PARTIAL)  # killed during step 5
+    assert rows[3]["rollout/unfinished_groups"] > 0  # step 4, whose save holds unfinished answers
+    assert rows[4]["rollout/continued_answers"] > 0  # and step 5 continues them
+    run_until_killed(run_dir, 5, *PARTIAL)  # killed during step 6
     proc = cli(*train_args(run_dir, "checkpoint.resume=auto", *PARTIAL))
     assert "step_000004 at step 4" in proc.stderr
     assert without_timings(read_rows(run_dir)) == without_timings(rows)
@@ -181,7 +181,7 @@ def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
         assert (parallel["tensor_model_parallel_size"], parallel["pipeline_model_parallel_size"]) == layout
     (resumed,) = read_rows(moved_dir)
     reference = read_rows(ref_dir)[2]
-    assert resumed["step"] == 2
+    assert resumed["step"] == 3
     # the same rollouts (sampled from weights equal to ~1e-8), so the same batch
     for key in ("rollout/accuracy", "rollout/response_len_mean", "dynamic_sampling/kept_groups"):
         assert resumed[key] == reference[key], key

@@ -81,7 +81,7 @@ def test_the_recipe_trains_smollm2_at_tp1(smollm2, tmp_path):
     cli("train", "examples/smollm2_cpu.yaml", *FEW_STEPS, "trainer.steps=2", "checkpoint.save_interval=0",
         f"logging.run_dir={run_dir}", timeout=900)  # fmt: skip
     rows = read_rows(run_dir)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all(r["actor/train_tokens"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
     # the engine samples from the pushed weights: its log-probs are the actor's
     assert all(r["mismatch/abs_logp_diff_max"] < 1e-3 for r in rows)

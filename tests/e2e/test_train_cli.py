@@ -63,7 +63,7 @@ def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
     run_dir = tmp_path / "run"
     proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, f"logging.run_dir={run_dir}", fresh=True)
     rows = read_rows(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # updates done
     for row in rows:
         assert set(REQUIRED_METRICS) <= set(row), set(REQUIRED_METRICS) - set(row)
         assert 0.0 <= row["rollout/accuracy"] <= 1.0 and row["dynamic_sampling/kept_groups"] <= 4
@@ -95,6 +95,22 @@ def test_rerun_into_the_same_directory_keeps_the_earlier_run(tmp_path):
     cli(*args)
     kept = list(tmp_path.glob("run.prev-*"))
     assert len(kept) == 1 and (kept[0] / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").exists()
+
+
+def test_steps_count_updates_done_in_the_console_metrics_saves_and_a_finished_rerun(tmp_path):
+    """One convention: step N = N updates done. The console counted from 1, metrics.jsonl from 0, the saves and
+    stop messages in updates done; a finished run started again said "run finished" though nothing ran."""
+    run_dir = tmp_path / "run"
+    args = ["train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", "checkpoint.save_interval=1",
+            f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled", "logging.progress=false"]  # fmt: skip
+    first = cli(*args)
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
+    assert "step 1/2 | " in first.stderr and "step 2/2 | " in first.stderr and "step 0/2" not in first.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    assert f"dapo-mcore: run finished: step 1-2 trained; metrics, config and curves in {run_dir}" in first.stdout
+    again = cli(*args, "checkpoint.resume=auto")
+    assert f"dapo-mcore: nothing to train: {run_dir} is at step 2 already" in again.stdout
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
 
 
 # Two-process runs under torchrun: TP 2 and PP 2 in tests/e2e/test_checkpoints.py (a save at TP 2 resumed at PP 2),
@@ -142,7 +158,7 @@ def test_round_cap_continues_by_default_and_stops_cleanly_in_strict_mode(tmp_pat
     assert "no group to train on" in proc.stderr
     proc = cli(*common, f"logging.run_dir={tmp_path}/strict", "algorithm.dynamic_sampling.on_cap=error", expect=2)
     assert "Traceback" not in proc.stderr
-    assert "dapo-mcore: error: step 0: dynamic sampling kept 0 of 4 groups after 2 rounds" in proc.stderr
+    assert "dapo-mcore: error: step 1: dynamic sampling kept 0 of 4 groups after 2 rounds" in proc.stderr
 
 
 def test_a_reward_check_that_never_returns_does_not_hang_the_run(tmp_path):
@@ -204,7 +220,7 @@ def test_validation_during_training_logs_held_out_metrics_and_draws_them(tmp_pat
     rows = read_rows(run_dir)
     with_eval = [r["step"] for r in rows if "eval/held/avg@4" in r]
     assert with_eval == [0, 2, 3]  # before the first update, every 2 steps, and the trained weights
-    assert rows[-1]["step"] == 3 and "rollout/accuracy" not in rows[-1]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "rollout/accuracy" not in rows[0]  # row 0: eval only
     assert all(r["eval/held/problems"] == 4 and 0 <= r["eval/held/pass@1"] <= r["eval/held/pass@4"] <= 1
                for r in rows if "eval/held/avg@4" in r)  # fmt: skip
     assert (run_dir / "curves.png").stat().st_size > 0

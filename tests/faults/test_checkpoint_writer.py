@@ -28,4 +28,4 @@ def test_a_dead_write_results_manager_is_replaced_and_a_save_it_took_down_is_mad
     # (above it, Megatron's writer process may print its own traceback: it could not hand its results over)
     assert verify_complete(ckpt / "step_000003", checksums=True) > 0
     assert (ckpt / "latest").read_text().strip() == "step_000003"
-    assert [r["step"] for r in read_rows(run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]

@@ -50,7 +50,7 @@ def test_a_save_that_fails_mid_write_leaves_no_partial_directory(small_disk, tmp
     assert list(disk.iterdir()) == []
     steps = [r["step"] for r in read_rows(run_dir)]
     # a background save's failure is found when the run next looks at it: after a later step, or at the end
-    assert steps == [0, 1] if not async_save else steps in ([0, 1], [0, 1, 2], [0, 1, 2, 3])
+    assert steps == [1, 2] if not async_save else steps in ([1, 2], [1, 2, 3], [1, 2, 3, 4])
     # the next run starts with no manual step (no save to resume from: from step 0)
     again = cli(*args(run_dir, disk, "checkpoint.resume=auto", "checkpoint.save_interval=0"))
     assert "no complete save" in again.stderr
@@ -65,7 +65,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing_and_the_earlier_one_re
     assert verify_complete(disk / "step_000002", checksums=True) > 0
     resumed = cli(*args(run_dir, disk, "checkpoint.resume=auto", "checkpoint.save_interval=0"))
     assert "step_000002 at step 2" in resumed.stderr
-    assert [r["step"] for r in read_rows(run_dir)] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4]
 
 
 def test_the_preflight_refuses_a_checkpoint_directory_without_room_for_one_save(small_disk, tmp_path):

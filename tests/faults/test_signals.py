@@ -80,7 +80,7 @@ def test_sigterm_and_sigusr1_save_at_the_step_boundary_and_exit_75(tmp_path, sig
     proc = start(run_dir, "checkpoint.save_interval=1000")  # no periodic save: the stop's save is the only one
     children = wait_for_training(proc, run_dir)
     line = stopped(proc, sig, 75, children, run_dir)
-    match = re.fullmatch(rf"dapo-mcore: stopped by {name} before step (\d+); saved to (\S+); run the same .*", line)
+    match = re.fullmatch(rf"dapo-mcore: stopped by {name} after step (\d+); saved to (\S+); run the same .*", line)
     assert match, line
     next_step, save = int(match.group(1)), Path(match.group(2))
     assert save.name == f"step_{next_step:06d}" and len(read_rows(run_dir)) == next_step

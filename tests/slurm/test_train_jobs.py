@@ -90,7 +90,7 @@ def uninterrupted(slurm_cluster, tmp_path_factory) -> Path:
 
 def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninterrupted):
     table = rows(uninterrupted)
-    assert [row["step"] for row in table] == list(range(STEPS))
+    assert [row["step"] for row in table] == list(range(1, STEPS + 1))  # updates done
     logs = sorted(p.name for p in (uninterrupted.parent / "logs").glob("whole-*/*.log"))
     assert logs == ["attempt-0-task-0.log", "attempt-0-task-1.log"]  # one log per task
     task0 = next((uninterrupted.parent / "logs").glob("whole-*/attempt-0-task-0.log")).read_text()
@@ -119,7 +119,7 @@ def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics
     assert re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to", first), first[-3000:]
     assert "resuming from" in task0_logs[1].read_text()
     saved = next((tmp_path / "logs").glob("limited-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
-    assert saved.startswith("stopped by Slurm's time-limit warning before step") and str(run_dir) in saved
+    assert saved.startswith("stopped by Slurm's time-limit warning after step") and str(run_dir) in saved
 
 
 def test_a_job_whose_warning_comes_too_late_stops_by_itself_requeues_and_loses_no_step(
@@ -154,7 +154,7 @@ def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
     record = slurm_cluster.wait(job_id, timeout=120)
     assert record["JobState"] == "CANCELLED"
     task0 = next((tmp_path / "logs").glob("cancelled-*/attempt-0-task-0.log")).read_text()
-    stopped = re.search(r"stopped by SIGTERM before step (\d+); saved to (\S+);", task0)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved to (\S+);", task0)
     assert stopped, task0[-3000:]
     next_step, save = int(stopped.group(1)), Path(stopped.group(2))
     assert save.name == f"step_{next_step:06d}" and len(rows(run_dir)) == next_step
@@ -202,5 +202,5 @@ def test_the_job_requeues_when_srun_ends_a_task_still_closing_after_the_save(slu
     record = slurm_cluster.wait(job_id, timeout=180)
     out = job_output(tmp_path, "closing", job_id)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out}"
-    assert "srun ended with 143 after the save: stopped by Slurm's time-limit warning before step 7" in out, out
+    assert "srun ended with 143 after the save: stopped by Slurm's time-limit warning after step 7" in out, out
     assert "saved before the time limit: re-queueing" in out

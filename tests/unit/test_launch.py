@@ -174,7 +174,7 @@ def test_a_saved_stop_is_marked_beside_the_stop_file(monkeypatch, tmp_path):
     marker = launch.mark_saved_stop(stop)
     assert marker == tmp_path / "attempt-0.stop.saved"
     assert (
-        marker.read_text() == f"stopped by Slurm's time-limit warning before step 7; saved to {tmp_path}/step_000007\n"
+        marker.read_text() == f"stopped by Slurm's time-limit warning after step 7; saved to {tmp_path}/step_000007\n"
     )
 
 

@@ -109,8 +109,8 @@ def test_a_push_that_corrupts_one_tensor_is_stopped_by_the_guard(built, monkeypa
     update = run.engine.update_weights
     monkeypatch.setattr(run.engine, "update_weights", lambda named: update(gate_and_up_swapped(named)))
     trainer.push_weights(run)
-    with pytest.raises(MismatchError, match=r"step 1: .* far from the actor's: KL\(engine \|\| actor\) [\d.]+ nats"):
-        trainer.rl_step(run, 1)
+    with pytest.raises(MismatchError, match=r"step 2: .* far from the actor's: KL\(engine \|\| actor\) [\d.]+ nats"):
+        trainer.rl_step(run, 1)  # the update after one: step 2
     monkeypatch.undo()
     trainer.push_weights(run)  # the run's own weights back in the engine
 
