@@ -111,12 +111,15 @@ def _parser() -> argparse.ArgumentParser:
     for name, func, help_ in (
         ("train", _train, "run DAPO training"),
         ("config", _show_config, "print the resolved config"),
-        ("check", _check, "check the config and that every file the run reads is in place (no GPU, no model)"),
+        ("check", _check, "everything train would refuse before its first step, listed in one pass (no GPU)"),
     ):
         cmd = _command_parser(sub.add_parser, name, help=help_)
         cmd.add_argument("config", help="recipe YAML (see examples/)")
         cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
         cmd.set_defaults(func=func)
+        if name == "check":
+            cmd.add_argument("--gpus", type=int, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
+            cmd.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
     keys = _command_parser(sub.add_parser, "keys", help="list config keys with their defaults and descriptions")
     keys.add_argument("prefix", nargs="?", default="", help="only the keys starting with it, e.g. algorithm.overlong")
     keys.set_defaults(func=_list_keys)
@@ -298,34 +301,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """What a job would meet before its model is built, on this machine: the config's checks (config.json,
-    data and eval files), every row of the prompt files read by the run's own loaders, and the preflight's
-    path checks (weights, tokenizer, a writable checkpoint directory). Run it where the job's files are (a
-    login node of the cluster) before sbatch."""
-    from dapo_mcore.config import load_config, validate
-    from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list
-    from dapo_mcore.data.datasets import build_prompt_source, load_jsonl_prompts
-    from dapo_mcore.launch import path_problems, tokenizer_problem
+    """Everything `train` would refuse before its first step, listed in one pass (dapo_mcore/check.py); run it
+    where the job's files are (a login node of the cluster) before sbatch. Exit 2 when anything is listed."""
+    from dapo_mcore.check import check_run, format_report
+    from dapo_mcore.config import load_config
     from dapo_mcore.utils.errors import ConfigError
 
-    cfg = load_config(args.config, args.overrides)
-    validate(cfg)  # the first problem, as one line
-    problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
-    problems += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
-    if problems:
-        raise ConfigError("the run would not start:\n" + "\n".join(f"  {p}" for p in problems))
-    data = cfg.data  # a bad row is a DataError naming the file and line, as in the run
-    source = build_prompt_source(
-        data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
-    )
-    reads = [
-        f"model {cfg.model.hf_path}",
-        f"prompts {data.source}" + ("" if data.source == "arithmetic" else f" ({len(source)})"),
-    ]
-    for name in eval_file_list(data.eval_files):
-        reads.append(f"held-out {name} ({len(load_jsonl_prompts(name, data.prompt_key, data.answer_key))})")
-    print(f"dapo-mcore check: {args.config} is ready to launch: {', '.join(reads)}; saves to {checkpoint_dir_of(cfg)}")
-    return 0
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"check: --gpus must be >= 1, got {args.gpus}")
+    report = check_run(load_config(args.config, args.overrides), args.gpus, args.gpu_gb)
+    print(format_report(args.config, report), file=sys.stderr if report.problems else sys.stdout)
+    return 2 if report.problems else 0
 
 
 def _show_config(args: argparse.Namespace) -> int:

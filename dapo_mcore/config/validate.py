@@ -10,21 +10,41 @@ from dapo_mcore.utils.errors import ConfigError
 
 
 def validate(cfg: RunConfig) -> None:
-    for check in (
-        _check_model,
-        _check_algorithm,
-        _check_rollout,
-        _check_batches,
-        _check_data,
-        _check_evaluation,
-        _check_checkpoint,
-    ):
+    """The first problem, as a ConfigError."""
+    for check in _SECTIONS:
         check(cfg)
+
+
+def config_problems(cfg: RunConfig) -> list[str]:
+    """Every section's first problem (`dapo-mcore check` lists them all at once)."""
+    problems = []
+    for check in _SECTIONS:
+        try:
+            check(cfg)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _check_parallel(cfg: RunConfig) -> None:
+    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback)."""
+    par = cfg.parallel
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+    ):
+        _require(getattr(par, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(par, name)}")
+    _require(
+        par.expert_tensor_parallel_size >= 0,
+        f"parallel.expert_tensor_parallel_size must be >= 0 (0: the same as TP), got {par.expert_tensor_parallel_size}",
+    )
 
 
 def _check_model(cfg: RunConfig) -> None:
@@ -236,3 +256,15 @@ def _check_data(cfg: RunConfig) -> None:
     path = Path(data.source)
     _require(path.suffix == ".jsonl", f"data.source must be 'arithmetic' or a .jsonl file, got {data.source}")
     _require(path.is_file(), f"data.source: file not found: {path}")
+
+
+_SECTIONS = (
+    _check_parallel,
+    _check_model,
+    _check_algorithm,
+    _check_rollout,
+    _check_batches,
+    _check_data,
+    _check_evaluation,
+    _check_checkpoint,
+)

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.guard import GuardedEngine
@@ -26,12 +31,30 @@ _ADAPTERS = {
 }
 
 
-def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
+def engine_problem(name: str, device: str, model_config: dict[str, Any]) -> str | None:
+    """Why `create_engine(name, ...)` would refuse to start for this model on `device` ("cpu" / "cuda"), found
+    without importing the engine: an unknown name, its package missing, or a model it cannot serve there."""
     if name not in _ADAPTERS:
-        raise ConfigError(f"rollout.engine must be one of {sorted(_ADAPTERS)}, got {name!r}")
-    module_name, class_name, package, install = _ADAPTERS[name]
+        return f"rollout.engine must be one of {sorted(_ADAPTERS)}, got {name!r}"
+    _, _, package, install = _ADAPTERS[name]
     if importlib.util.find_spec(package) is None:
-        raise ConfigError(f"rollout.engine={name} needs the '{package}' package: {install}")
+        return f"rollout.engine={name} needs the '{package}' package: {install}"
+    is_moe = bool(model_config.get("num_experts") or model_config.get("num_local_experts"))
+    if name == "vllm" and device == "cpu" and is_moe:
+        # vLLM's CPU build prepacks an MoE layer's experts when it loads them, and its in-place reload (every
+        # weight push) does not bring that back right: log-probs 13.7 nats off (tests/engines/test_engine_contract.py)
+        return (
+            "rollout.engine=vllm on the CPU cannot take weight pushes into a mixture-of-experts model's experts "
+            "(vLLM's CPU MoE kernels; docs/engines.md): use rollout.engine=hf or sglang on the CPU"
+        )
+    return None
+
+
+def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
+    problem = engine_problem(name, torch.device(settings.device).type, _model_config(settings.model_path))
+    if problem:
+        raise ConfigError(problem)
+    module_name, class_name, _, _ = _ADAPTERS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -39,3 +62,9 @@ def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
             raise  # a dependency of the engine package itself is missing: its own traceback says which
         raise ConfigError(f"rollout.engine={name}: this version has no {name} adapter yet (docs/engines.md)") from None
     return GuardedEngine(name, lambda: getattr(module, class_name).create(settings))
+
+
+def _model_config(model_path: str) -> dict[str, Any]:
+    """The model's config.json, or {} where there is none yet (the engine's own start names that problem)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -316,7 +316,7 @@ def test_a_mixture_of_experts_model_scores_as_transformers_and_returns_its_routi
     """The tiny Qwen3-MoE after a push (experts by their checkpoint names): log-probs as transformers', and each
     token's experts (routing replay's input) as transformers' routers choose them, or a one-line refusal to
     return them (vLLM's and SGLang's CPU builds). vLLM's CPU build refuses the model itself: it runs it, but
-    a push leaves its experts wrong (the adapter's _check_moe_on_cpu)."""
+    a push leaves its experts wrong (registry.engine_problem)."""
     name, device = which
     if reason := skip_reason(name, device):
         pytest.skip(reason)

@@ -104,3 +104,15 @@ def test_a_run_that_fails_its_checks_leaves_the_earlier_run_where_it_was(saved, 
     proc = train(run_dir, data, "data.max_prompt_len=1", expect=2)  # fails on the prompts, after the preflight
     assert "longer than the 1 allowed (data.max_prompt_len)" in proc.stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in run_dir.iterdir()) == before and not list(tmp_path.glob("run.prev-*"))
+
+
+def test_check_says_which_save_a_resume_takes_and_refuses_a_changed_experiment(saved, tmp_path):
+    run_dir, data = resumable_copy(saved, tmp_path)
+    args = ["check", "examples/smoke_cpu.yaml", *SHORT, f"data.source={data}", f"logging.run_dir={run_dir}",
+            "checkpoint.resume=auto", "trainer.steps=2"]  # fmt: skip
+    ready = cli(*args)
+    assert f"resumes {run_dir}/checkpoints/step_000001 at step 1 of 2" in ready.stdout
+    refused = cli(*args, "algorithm.clip_high=0.3", expect=2)
+    assert f"  - checkpoint.resume=auto: {run_dir}/checkpoints/step_000001 is another experiment: 1 config" in (
+        refused.stderr
+    )

@@ -1,5 +1,6 @@
 """Bad input ends with one clear line and exit code 2, not a traceback from deep inside."""
 
+import importlib.util
 import subprocess
 
 import pytest
@@ -55,18 +56,50 @@ def test_check_reads_every_prompt_row_before_a_job_is_submitted(tmp_path):
     bad.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{"prompt": "What is 2+2?"}\n')
     proc = run_cli("check", "examples/smoke_cpu.yaml", f"data.source={bad}", f"logging.run_dir={tmp_path}/run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip().splitlines()[-1]
-        == f"dapo-mcore: error: {bad}:2: missing key 'answer' (keys present: ['prompt'])"
-    )
+    assert proc.stderr.strip().splitlines()[-2:] == [
+        "the run would not start: 1 problem:",
+        f"  - {bad}:2: missing key 'answer' (keys present: ['prompt'])",
+    ]
     good = run_cli(
         "check",
         "examples/smoke_cpu.yaml",
         f"logging.run_dir={tmp_path}/run",
         "data.eval_files=examples/data/sums.jsonl",
     )
-    assert (
-        good.returncode == 0
-        and "is ready to launch" in good.stdout
-        and "held-out examples/data/sums.jsonl (" in good.stdout
-    )
+    assert good.returncode == 0 and good.stdout.strip().splitlines()[-1].endswith("is ready to launch")
+    assert "held-out examples/data/sums.jsonl (20)" in good.stdout
+    assert f"starts at step 0 in {tmp_path}/run" in good.stdout
+
+
+def test_check_lists_every_problem_train_would_meet_in_one_pass(tmp_path):
+    """It stopped at the first problem, and said "ready to launch" with the engine the config names not
+    installed, or an engine / model pair train refuses (vLLM's CPU build and experts)."""
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "What is 2+2?"}\n')
+    proc = run_cli(
+        "check", "examples/smoke_cpu.yaml", "model.hf_path=examples/models/tiny-arith-moe", "rollout.engine=vllm",
+        "parallel.pipeline_model_parallel_size=0", "algorithm.clip_low=2", f"data.source={bad}",
+        f"logging.run_dir={tmp_path}/run",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    problems = [line[4:] for line in proc.stderr.splitlines() if line.startswith("  - ")]
+    assert problems == [
+        "parallel.pipeline_model_parallel_size must be >= 1, got 0",
+        "algorithm.clip_low must be in [0, 1), got 2.0",
+        "rollout.engine=vllm on the CPU cannot take weight pushes into a mixture-of-experts model's experts "
+        "(vLLM's CPU MoE kernels; docs/engines.md): use rollout.engine=hf or sglang on the CPU",
+        f"{bad}:1: missing key 'answer' (keys present: ['prompt'])",
+    ]
+    assert "the run would not start: 4 problems:" in proc.stderr
+
+
+def test_check_names_a_missing_engine_package_and_says_an_earlier_run_will_be_moved_aside(tmp_path):
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here (the suite runs it from its own environment: tests/engines/sglang_cpu)")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = run_cli("check", "examples/smoke_cpu.yaml", "rollout.engine=sglang", f"logging.run_dir={run_dir}")
+    assert proc.returncode == 2
+    assert "  - rollout.engine=sglang needs the 'sglang' package: pip install 'dapo-mcore[sglang]'" in proc.stderr
+    assert f"{run_dir} holds an earlier run: train moves it to run.prev-<time> and starts at step 0" in proc.stderr

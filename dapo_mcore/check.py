@@ -1,0 +1,171 @@
+"""`dapo-mcore check`: everything `train` would refuse before its first step, found in one pass on the machine
+where the job's files are (a login node: no GPU, no process group, no model built), every problem one line;
+then what the run directory will do and the memory plan.
+
+What it covers, in the order `train` meets it: the config's own checks (each section's first problem), the
+model's config.json and its architecture, the layout against the model and the job's tasks, the weights and
+tokenizer files, a writable checkpoint directory, Transformer Engine where the config needs it, the rollout
+engine's package and its support for this model on the job's device, routing replay, every row of the prompt
+and held-out files (read by the run's own loaders), the save a resume would take (and a config that changes
+the experiment since it), and, on a GPU job, the per-GPU memory plan (`dapo-mcore plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.build import Resume, check_config_changes, check_routing_replay
+from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
+from dapo_mcore.config import RunConfig
+from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
+from dapo_mcore.config.validate import checkpoint_dir_of, config_problems, eval_file_list, run_dir_of
+from dapo_mcore.data.datasets import build_prompt_source, load_jsonl_prompts
+from dapo_mcore.launch import path_problems, tokenizer_problem
+from dapo_mcore.mcore.provider import check_model_layout, check_moe_training_layout, transformer_engine_problem
+from dapo_mcore.parallel import check_layout
+from dapo_mcore.plan import default_gpus, plan_memory
+from dapo_mcore.rollout.registry import engine_problem
+from dapo_mcore.utils.errors import DapoError
+
+
+@dataclass
+class CheckReport:
+    problems: list[str] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)  # what the run reads, where it writes, what it will do
+
+    def attempt(self, check: Callable[[], Any]) -> Any:
+        """Run one check; its DapoError becomes a listed problem (the next checks still run). None on failure."""
+        try:
+            return check()
+        except DapoError as err:
+            self.problems.append(str(err))
+            return None
+
+
+def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
+    report = CheckReport(problems=config_problems(cfg))
+    device = job_device(cfg)
+    if cfg.parallel.device == "auto" and device == "cpu":
+        report.facts.append("parallel.device=auto is the CPU on this machine (no GPU): add parallel.device=cuda to "
+                            "check a GPU job's engine and Transformer Engine")  # fmt: skip
+    model_dir = Path(cfg.model.hf_path)
+    has_config = bool(cfg.model.hf_path) and (model_dir / "config.json").is_file()  # else the config's checks say
+    model_config = report.attempt(lambda: load_hf_config(model_dir)) if has_config else None
+    spec = report.attempt(lambda: read_model_spec(model_config)) if model_config is not None else None
+    world = gpus or (1 if device == "cpu" else default_gpus())
+    if spec is not None:
+        check_model(report, cfg, spec, world)
+    files = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
+    files += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
+    report.problems += [p for p in files if model_dir.is_dir() or not p.startswith("model.hf_path")]
+    report.problems += [p for p in [needed_transformer_engine(cfg)] if p]
+    if model_config is not None:
+        report.problems += [p for p in [engine_problem(cfg.rollout.engine, device, model_config)] if p]
+    check_data(report, cfg, model_read=spec is not None)
+    if spec is not None:
+        report.attempt(lambda: check_run_dir(report, cfg, spec))
+    if model_config is not None and device != "cpu":
+        report.attempt(lambda: check_memory(report, cfg, model_config, gpu_gb, world))
+    return report
+
+
+def job_device(cfg: RunConfig) -> str:
+    """The device the job runs on: parallel.device, or with "auto" this machine's (what train would take here)."""
+    if cfg.parallel.device != "auto":
+        return cfg.parallel.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_model(report: CheckReport, cfg: RunConfig, spec: ModelSpec, world: int) -> None:
+    par = cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    vpp = par.virtual_pipeline_model_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    if min(tp, pp, vpp, ep) < 1 or etp < 0:
+        return  # the config's checks named it
+    report.attempt(lambda: check_model_layout(spec, tp, pp, vpp, ep, etp))
+    report.attempt(lambda: check_moe_training_layout(spec, tp, par.sequence_parallel))
+    report.attempt(lambda: check_routing_replay(cfg, spec))
+    report.attempt(lambda: check_layout(world, tp, pp, vpp, ep, etp))
+
+
+def needed_transformer_engine(cfg: RunConfig) -> str | None:
+    """Transformer Engine, where the config needs it (transformer_impl=transformer_engine, or FP8)."""
+    if cfg.model.transformer_impl != "transformer_engine" and cfg.model.fp8 == "none":
+        return None
+    problem = transformer_engine_problem()
+    if problem is None:
+        return None
+    asked = f"model.transformer_impl={cfg.model.transformer_impl}" + (
+        f" with model.fp8={cfg.model.fp8}" if cfg.model.fp8 != "none" else ""
+    )
+    return f"{asked} needs Transformer Engine: {problem}"
+
+
+def check_data(report: CheckReport, cfg: RunConfig, model_read: bool) -> None:
+    """Every row of the prompt and held-out files, read by the run's own loaders."""
+    data = cfg.data
+    reads = [f"model {cfg.model.hf_path}"] if model_read else []
+    if data.source == "arithmetic" or Path(data.source).is_file():
+        source = report.attempt(
+            lambda: build_prompt_source(
+                data.source, data.prompt_key, data.answer_key, data.min_operand, data.max_operand, data.ops
+            )
+        )
+        if source is not None:
+            reads.append(f"prompts {data.source}" + ("" if data.source == "arithmetic" else f" ({len(source)})"))
+    for name in eval_file_list(data.eval_files):
+        if Path(name).is_file():
+            rows = report.attempt(lambda name=name: load_jsonl_prompts(name, data.prompt_key, data.answer_key))
+            if rows is not None:
+                reads.append(f"held-out {name} ({len(rows)})")
+    if reads:
+        report.facts.append("reads " + ", ".join(reads))
+    report.facts.append(f"saves to {checkpoint_dir_of(cfg)}")
+
+
+def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec) -> None:
+    """What `train` will do with the run directory: start, resume at step N, or move an earlier run aside."""
+    run_dir, resume = run_dir_of(cfg), cfg.checkpoint.resume
+    save = None
+    if resume in ("auto", "force"):
+        save = find_latest_complete(checkpoint_dir_of(cfg))
+    elif resume != "none" and Path(resume).is_dir():
+        save = Path(resume)
+    if save is not None:
+        state = read_run_state(save, spec)
+        check_config_changes(cfg, Resume(save, state))  # resume=auto refuses another experiment
+        report.facts.append(f"resumes {save} at step {state['step']} of {cfg.trainer.steps}")
+    elif (run_dir / "metrics.jsonl").exists():
+        report.facts.append(
+            f"{run_dir} holds an earlier run: train moves it to {run_dir.name}.prev-<time> and starts at step 0 "
+            "(checkpoint.resume=auto continues it)"
+            if resume == "none"
+            else f"{run_dir} holds an earlier run without a complete save: train moves it aside and starts at step 0"
+        )
+    else:
+        report.facts.append(f"starts at step 0 in {run_dir}")
+
+
+def check_memory(report: CheckReport, cfg: RunConfig, model_config: dict[str, Any], gpu_gb: float, gpus: int):
+    plan = plan_memory(cfg, model_config, gpu_gb, gpus)
+    peak = plan.peak
+    line = f"memory plan for {gpus} GPUs of {gpu_gb:g} GiB: peak {peak.total / 2**30:.1f} GiB ({peak.name})"
+    if plan.fits:
+        report.facts.append(line + " fits")
+        return
+    report.problems.append(f"{line} does not fit: see `dapo-mcore plan` with the same arguments")
+
+
+def format_report(config_path: str, report: CheckReport) -> str:
+    lines = [f"dapo-mcore check: {config_path}"] + [f"  {fact}" for fact in report.facts]
+    if not report.problems:
+        return "\n".join([*lines, f"dapo-mcore check: {config_path} is ready to launch"])
+    count = len(report.problems)
+    lines.append(f"the run would not start: {count} problem{'s' if count > 1 else ''}:")
+    return "\n".join(lines + [f"  - {problem}" for problem in report.problems])
