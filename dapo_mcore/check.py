@@ -12,6 +12,7 @@ the experiment since it), and, on a GPU job, the per-GPU memory plan (`dapo-mcor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +56,10 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     has_config = bool(cfg.model.hf_path) and (model_dir / "config.json").is_file()  # else the config's checks say
     model_config = report.attempt(lambda: load_hf_config(model_dir)) if has_config else None
     spec = report.attempt(lambda: read_model_spec(model_config)) if model_config is not None else None
-    world = gpus or (1 if device == "cpu" else default_gpus())
+    world = job_tasks(cfg, gpus)
     if spec is not None:
         check_model(report, cfg, spec, world)
+        report.facts.append(f"layout checked for {world} processes" + ("" if gpus else " (--gpus N for another count)"))
     files = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     files += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
     report.problems += [p for p in files if model_dir.is_dir() or not p.startswith("model.hf_path")]
@@ -79,6 +81,16 @@ def job_device(cfg: RunConfig) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def job_tasks(cfg: RunConfig, gpus: int | None) -> int:
+    """The job's processes: --gpus, else WORLD_SIZE / SLURM_NTASKS, else one process for a CPU recipe and
+    one 8-GPU node for any other (as `dapo-mcore plan`)."""
+    if gpus:
+        return gpus
+    if cfg.parallel.device == "cpu" and not any(os.environ.get(k) for k in ("WORLD_SIZE", "SLURM_NTASKS")):
+        return 1
+    return default_gpus()
 
 
 def check_model(report: CheckReport, cfg: RunConfig, spec: ModelSpec, world: int) -> None:
