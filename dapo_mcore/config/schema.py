@@ -63,7 +63,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    # Tensor parallelism of the actor (Megatron-Core): each layer's matrices split over this many GPUs of a node.
     tensor_model_parallel_size: int = 1
+    # Pipeline parallelism of the actor: the layers split into this many stages.
     pipeline_model_parallel_size: int = 1
     # Model chunks per pipeline rank (interleaved 1F1B); 1 disables it. Layers must divide by PP x VPP.
     virtual_pipeline_model_parallel_size: int = 1
@@ -91,7 +93,9 @@ class ParallelConfig:
 
 @dataclass
 class SamplingConfig:
+    # Sampling temperature of the rollout engine (paper: 1.0); the actor divides its logits by it too.
     temperature: float = 1.0
+    # Nucleus sampling of the rollout (paper: 1.0, the whole distribution).
     top_p: float = 1.0
     # Maximum response length in tokens: L_max of the soft overlong punishment (paper: 20480).
     max_response_len: int = 20480
@@ -166,6 +170,7 @@ class RolloutConfig:
 class AdvantageConfig:
     # "grpo": (R - mean) / (std + eps) per group (the paper); "mean_only": R - mean (Dr.GRPO).
     estimator: Literal["grpo", "mean_only"] = "grpo"
+    # Added to a group's reward std before dividing (grpo).
     eps: float = 1e-6
     # Then shift and scale the advantages to mean 0, std 1 over the whole batch.
     batch_normalize: bool = False
@@ -178,6 +183,7 @@ class RewardConfig:
     verifier: str = "dapo"
     # Reward for a correct / wrong final answer (paper: +1 / -1; use 1 / 0 for a 0-1 reward).
     correct: float = 1.0
+    # Reward for a wrong (or unparsable, or timed-out) answer.
     wrong: float = -1.0
     # Each check runs in a worker process and counts as wrong past this many seconds.
     timeout_s: float = 10.0
@@ -191,6 +197,7 @@ class OverlongConfig:
     enabled: bool = True
     # L_cache in the paper (4096 with L_max = 20480).
     buffer_len: int = 4096
+    # Scale of that penalty: -penalty_factor at L_max (paper: 1.0).
     penalty_factor: float = 1.0
     # Overlong filtering: truncated responses get a zero loss mask (the paper's alternative).
     filter_truncated: bool = False
@@ -200,8 +207,11 @@ class OverlongConfig:
 class LengthPenaltyConfig:
     # RLinf's linear length penalty: -coef * (len - safe_len) / (max_len - safe_len), within [-1, 0].
     enabled: bool = False
+    # Scale of the linear length penalty (-coef at max_len).
     coef: float = 1.0
+    # Length in tokens up to which an answer is not penalised.
     safe_len: int = 16384
+    # Length in tokens at which the penalty reaches -coef.
     max_len: int = 20480
 
 
@@ -222,6 +232,7 @@ class DynamicSamplingConfig:
     adaptive: bool = False
     # Bounds of an adaptive round, in prompts.
     adaptive_min_prompts: int = 1
+    # The largest adaptive round, in prompts.
     adaptive_max_prompts: int = 4096
 
 
@@ -239,8 +250,11 @@ class MismatchConfig:
     # "token": truncated importance sampling, weights capped at tis_cap; "sequence_mask": drop the tokens of
     # sequences whose geometric-mean weight leaves [seq_mask_low, seq_mask_high]; "none": metrics only.
     tis: Literal["none", "token", "sequence_mask"] = "none"
+    # The cap of the token-level importance weights (tis=token).
     tis_cap: float = 2.0
+    # tis=sequence_mask: the lowest sequence (geometric-mean) weight kept.
     seq_mask_low: float = 0.5
+    # tis=sequence_mask: the highest sequence (geometric-mean) weight kept.
     seq_mask_high: float = 2.0
     # Skip (zero loss, no tokens counted) a micro-batch whose mean ratio exceeds this (RLinf's
     # early_stop_imp_ratio); null: never.
@@ -250,13 +264,15 @@ class MismatchConfig:
     # of the same tokens; bf16 numerics give thousandths; swapped gate/up weights gave 1.4 on the demo),
     # "stop" the run with one line naming the step and the gap, "warn" and train on, or "off".
     guard: Literal["stop", "warn", "off"] = "stop"
+    # The guard's threshold, in nats a token (bf16 numerics give thousandths; a wrong weight push, tenths or more).
     guard_max_kl: float = 0.1
 
 
 @dataclass
 class AlgorithmConfig:
-    # Decoupled clip (clip-higher): ratio clipped to [1 - clip_low, 1 + clip_high].
+    # Decoupled clip (clip-higher): ratio clipped to [1 - clip_low, 1 + clip_high] (paper: 0.2 / 0.28).
     clip_low: float = 0.2
+    # The upper clip, larger than the lower so that unlikely tokens can gain probability (paper: 0.28).
     clip_high: float = 0.28
     # Dual-clip bound c for negative advantages (the authors' script: 10); null disables it.
     dual_clip_c: float | None = 10.0
@@ -280,17 +296,25 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimizerConfig:
+    # Adam's learning rate after warm-up (paper: 1e-6, constant).
     lr: float = 1e-6
+    # The learning rate's floor (a decay schedule ends there; 0 with the paper's constant rate).
     min_lr: float = 0.0
     # Linear warm-up over this many optimizer updates (paper: 20 rollout steps).
     warmup_steps: int = 20
+    # Decoupled weight decay (AdamW; paper: 0.1).
     weight_decay: float = 0.1
+    # Clip the global gradient norm to this (paper: 1.0).
     clip_grad: float = 1.0
+    # Adam's first-moment decay.
     adam_beta1: float = 0.9
+    # Adam's second-moment decay.
     adam_beta2: float = 0.999
+    # Adam's denominator epsilon.
     adam_eps: float = 1e-8
     # Keep (a fraction of) the optimizer state and step on the CPU (needs the distributed optimizer, GPU).
     cpu_offload: bool = False
+    # With cpu_offload: the share of the optimizer state kept on the CPU, in (0, 1].
     offload_fraction: float = 1.0
 
 
@@ -321,8 +345,11 @@ class TrainerConfig:
     # Answers per held-out problem and their sampling (the DAPO paper's AIME evaluation: avg@32 at
     # temperature 1.0, top-p 0.7); eval_max_response_len 0: rollout.sampling.max_response_len.
     eval_k: int = 32
+    # Sampling temperature of the held-out answers.
     eval_temperature: float = 1.0
+    # Nucleus sampling of the held-out answers (the paper's 0.7; an untrained small model may need 1.0).
     eval_top_p: float = 0.7
+    # Longest held-out answer in tokens; 0: rollout.sampling.max_response_len.
     eval_max_response_len: int = 0
 
 
@@ -330,7 +357,9 @@ class TrainerConfig:
 class DataConfig:
     # "arithmetic" generates problems with exact answers; otherwise a .jsonl file of {prompt, answer}.
     source: str = "arithmetic"
+    # The key of each row's problem text in the .jsonl file.
     prompt_key: str = "prompt"
+    # The key of each row's ground-truth answer in the .jsonl file.
     answer_key: str = "answer"
     # Shuffle seed; each epoch gets its own permutation.
     seed: int = 0
@@ -340,7 +369,9 @@ class DataConfig:
     allow_changed_data: bool = False
     # The arithmetic generator: operands drawn from [min_operand, max_operand].
     min_operand: int = 0
+    # The largest operand of the arithmetic generator.
     max_operand: int = 29
+    # The operators the arithmetic generator draws from, e.g. "+-*".
     ops: str = "+"
     # "chat": wrap each problem in the model's own chat template (chat / instruct models); "none": plain text.
     template: Literal["none", "chat"] = "none"
@@ -369,7 +400,8 @@ class CheckpointConfig:
     # Keep the newest K complete saves; older ones are deleted after each save.
     keep_last: int = 2
     # "none": start fresh; "auto": continue from the newest complete save in `dir` (start fresh if there is
-    # none); or the path of one save (step_NNNNNN/) to continue from.
+    # none), refusing a config that changes the experiment since that save; "force": the same, taking the
+    # changes; or the path of one save (step_NNNNNN/) to continue from.
     resume: str = "none"
     # Write the shards in a background process while training goes on (Megatron-Core's async save); the
     # save is completed (manifest, `latest`) at a later step. Meant for GPUs, where a save otherwise blocks.
@@ -394,7 +426,14 @@ class CheckpointConfig:
 class WandbConfig:
     # "offline" writes under the run directory; "online" needs a login; "disabled" skips wandb.
     mode: Literal["offline", "online", "disabled"] = "offline"
+    # The wandb project the run is logged under.
     project: str = "dapo_mcore"
+    # The wandb team or user the run belongs to; empty: the login's default entity.
+    entity: str = ""
+    # Runs of one group are shown together in wandb (e.g. a sweep, or the jobs of one experiment); empty: none.
+    group: str = ""
+    # Labels to filter runs by in wandb, e.g. [7b, baseline].
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -404,6 +443,9 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # Progress bars while generating and training (rank 0 only).
     progress: bool = True
+    # "quiet": the rollout engines (vLLM, SGLang) and wandb print errors only; "verbose": their own logging as
+    # they configure it (vLLM's INFO lines, SGLang's, wandb's banners). VLLM_LOGGING_LEVEL, when set, wins.
+    engine_log: Literal["quiet", "verbose"] = "quiet"
     # Redraw the accuracy / length plot every N steps (and at the end).
     plot_interval: int = 10
     # Write N of each step's answers (prompt, answer, verdict, reward, advantage, weight versions) to
@@ -416,6 +458,8 @@ class LoggingConfig:
 
 @dataclass
 class RunConfig:
+    # The run's name: runs/<name> unless logging.run_dir is set. From a recipe: its own `name:`, else the
+    # file's stem (never inherited through defaults:).
     name: str = "dapo"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,9 +20,8 @@ def test_keys_prints_each_default_with_the_comment_above_its_schema_field(capsys
         "algorithm.overlong.buffer_len = 4096",
         "    L_cache in the paper (4096 with L_max = 20480).",
     ]
-    # a field with no comment right above it prints no description: the next key follows at once
     at = lines.index("algorithm.overlong.penalty_factor = 1.0")
-    assert lines[at + 1] == "algorithm.overlong.filter_truncated = False"
+    assert lines[at + 1] == "    Scale of that penalty: -penalty_factor at L_max (paper: 1.0)."
     assert all(line.startswith(("algorithm.overlong.", "    ")) for line in lines)
 
 
@@ -51,8 +50,7 @@ def test_key_descriptions_join_a_multi_line_comment_and_name_only_real_keys():
         '"hf": load the weights of hf_path; "mcore": load them from the Megatron-Core checkpoint at mcore_path '
         '(tools/convert_hf_to_mcore.py output, or a run save); "random": Megatron\'s initialisation.'
     )
-    assert set(descriptions) <= set(all_keys())
-    assert len(descriptions) > len(all_keys()) / 2
+    assert set(descriptions) == set(all_keys())  # a key added without a comment above it fails here
 
 
 def test_version_prints_the_installed_package_version(capsys):
