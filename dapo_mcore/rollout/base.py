@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dapo_mcore.config.schema import RolloutConfig
+from dapo_mcore.config.schema import LoggingConfig, RolloutConfig
 from dapo_mcore.data.types import TokenIds, Values
 from dapo_mcore.rollout.placement import EnginePlacement
 from dapo_mcore.utils.errors import ConfigError
@@ -26,6 +26,7 @@ class SamplingParams:
 
 
 _ROLLOUT = RolloutConfig()
+_LOGGING = LoggingConfig()
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class EngineSettings:
     # This task's place among the trainer's tasks (rollout/placement.py); None: a standalone engine (eval,
     # tests) in a process of its own, on the engine's default device.
     placement: EnginePlacement | None = None
+    # "quiet": the engine logs errors only; "verbose": its own logging as it sets it up (logging.engine_log).
+    engine_log: str = _LOGGING.engine_log
 
 
 @dataclass

@@ -226,7 +226,8 @@ def _engine_kwargs(s: EngineSettings) -> dict:
         # Per-request seeds (sampling_seed) are honoured only with deterministic inference on, which SGLang
         # offers on GPU attention backends only: on the CPU its answers are not reproducible by seed.
         enable_deterministic_inference=not on_cpu,
-        log_level="error",
+        # logging.engine_log: quiet, errors only; verbose, SGLang's default (its INFO lines)
+        log_level="error" if s.engine_log == "quiet" else "info",
     )
     if s.return_routed_experts:  # the capture is allocated at start; each request then asks for its rows
         if problem := routing_unavailable("sglang", s.device):

@@ -13,10 +13,10 @@ Only this module imports vllm (DESIGN.md: engines stay behind the adapter).
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import warnings
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +35,6 @@ from dapo_mcore.rollout.base import (
     routing_unavailable,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
-from dapo_mcore.utils.errors import ConfigError
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
 _ENV_DEFAULTS = {
@@ -70,7 +69,7 @@ class VLLMEngine:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         set_num_threads = torch.set_num_threads
         _check_local_rank(settings)
-        _check_moe_on_cpu(settings)
+        _quiet_vllm_import(settings.engine_log)
         from vllm import LLM
 
         try:
@@ -213,6 +212,7 @@ def _llm_kwargs(s: EngineSettings) -> dict:
         enforce_eager=on_cpu or not s.cuda_graphs,
         enable_sleep_mode=not on_cpu and s.sleep_level > 0,
         disable_log_stats=True,
+        log_level=_vllm_log_level(s.engine_log),
     )
     if s.tp_size > 1 or (s.placement is not None and not on_cpu):
         # Every task of the trainer builds its own LLM (SPMD). vLLM's default in-process executor puts the
@@ -243,19 +243,6 @@ def _llm_kwargs(s: EngineSettings) -> dict:
     return kwargs
 
 
-def _check_moe_on_cpu(s: EngineSettings) -> None:
-    """vLLM's CPU build prepacks an MoE layer's experts for its kernel when it loads them, and its in-place
-    reload (every weight push) does not bring that back right: pushing a Qwen3-MoE the very weights it started
-    with left its log-probs 13.7 nats off transformers' (tests/engines/test_engine_contract.py). Refused rather
-    than trained on wrong samples."""
-    config = json.loads((Path(s.model_path) / "config.json").read_text())
-    if s.device == "cpu" and (config.get("num_experts") or config.get("num_local_experts")):
-        raise ConfigError(
-            "rollout.engine=vllm on the CPU cannot take weight pushes into a mixture-of-experts model's experts "
-            "(vLLM's CPU MoE kernels; docs/engines.md): use rollout.engine=hf or sglang on the CPU"
-        )
-
-
 def _check_local_rank(s: EngineSettings) -> None:
     """external_launcher reads LOCAL_RANK itself: it must name the device the placement chose."""
     p = s.placement
@@ -274,6 +261,39 @@ def _repack_tied_lm_head(worker) -> None:
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is not None and embed is not None and head.weight is embed.weight:
         head.quant_method.process_weights_after_loading(head)
+
+
+def _vllm_log_level(engine_log: str) -> str:
+    """logging.engine_log=quiet: vLLM logs errors only (its INFO lines, and its warnings about settings this
+    adapter chose, e.g. chunked prefill off or eager mode, are no news to a user); verbose: vLLM's default
+    (INFO). VLLM_LOGGING_LEVEL, when set, wins either way."""
+    return os.environ.get("VLLM_LOGGING_LEVEL") or ("ERROR" if engine_log == "quiet" else "INFO")
+
+
+def _quiet_vllm_import(engine_log: str) -> None:
+    """Before vLLM is imported: lines it logs while importing, before its logging is set up (LLM's log_level
+    sets it up for the engine), follow the same level; deprecation warnings raised in vLLM's code are not the
+    user's to act on (quiet only). One misleading line is dropped in both modes (_HarmlessReloadWarning)."""
+    logging.getLogger("vllm").setLevel(_vllm_log_level(engine_log))
+    if engine_log == "quiet":
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category, module=r"vllm\.")
+    reload_logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _HarmlessReloadWarning) for f in reload_logger.filters):
+        reload_logger.addFilter(_HarmlessReloadWarning())
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place weight reload
+
+
+class _HarmlessReloadWarning(logging.Filter):
+    """vLLM's in-place reload (every weight push) warns "RotaryEmbedding: Failed to load weights": the rotary
+    layer's cos/sin table is a buffer vLLM computes from the config, which no checkpoint (and no push) holds,
+    and the reload puts the table it had back. The pushed weights themselves are checked (weight_sync/verify.py,
+    tests/engines/test_engine_contract.py). Other layers' failures still show (at engine_log=verbose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def _forget_groups() -> None:

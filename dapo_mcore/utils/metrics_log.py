@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +14,25 @@ from dapo_mcore.utils.logging import get_logger
 log = get_logger(__name__)
 
 
+@dataclass
+class WandbOptions:
+    """What wandb.init is given besides the run's name, config and id (the config's logging.wandb section)."""
+
+    mode: str = "disabled"  # offline, online or disabled
+    project: str = ""
+    entity: str = ""  # empty: the login's default
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+    # wandb's informational lines (its banner, a Weave advertisement when vLLM has imported openai) off;
+    # its warnings and errors still show (logging.engine_log=quiet)
+    quiet: bool = True
+
+
 class MetricsWriter:
     def __init__(
         self,
         run_dir: Path,
-        wandb_mode: str = "disabled",
-        project: str = "",
+        wandb_options: WandbOptions | None = None,
         run_name: str = "",
         config: dict[str, Any] | None = None,
         run_id: str | None = None,
@@ -25,8 +40,8 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._wandb_run = None
         self._pending_tables: dict[str, Any] = {}  # log_table's, sent with the next metrics row
-        if wandb_mode != "disabled":
-            self._wandb_run = _start_wandb(Path(run_dir), wandb_mode, project, run_name, config, run_id)
+        if wandb_options is not None and wandb_options.mode != "disabled":
+            self._wandb_run = _start_wandb(Path(run_dir), wandb_options, run_name, config, run_id)
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -54,8 +69,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
+            run, self._wandb_run = self._wandb_run, None
+            _finish_wandb(run)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -72,19 +87,40 @@ def _plain(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _start_wandb(run_dir: Path, mode: str, project: str, name: str, config: dict[str, Any] | None, run_id: str | None):
+def _start_wandb(run_dir: Path, options: WandbOptions, name: str, config: dict[str, Any] | None, run_id: str | None):
     import wandb  # lazy: importing wandb costs seconds
 
+    if options.quiet:  # wandb's terminal lines follow its process-wide settings, not the run's
+        wandb.setup(settings=wandb.Settings(show_info=False))
     return wandb.init(
-        project=project,
+        project=options.project,
+        entity=options.entity or None,
+        group=options.group or None,
+        tags=options.tags or None,
         name=name,
         dir=str(run_dir),
-        mode=mode,
+        mode=options.mode,
         config=config,
         id=run_id,
         resume="allow" if run_id else None,
-        settings=wandb.Settings(silent=True, console="off"),
+        settings=wandb.Settings(silent=options.quiet, console="off"),
     )
+
+
+def _finish_wandb(run) -> None:
+    """Finish the run and end wandb's service process now, not in wandb's exit hook: after a Ctrl-C or SIGTERM
+    the CLI ends the processes the run left (cli.py), the service among them, and the hook would then write
+    to its closed socket ("Exception ignored in atexit callback ... ConnectionResetError", a traceback after
+    the stop line). A service killed already (Slurm signals every process of the job) lost what it had not
+    written; the offline run keeps what it had."""
+    import wandb
+
+    try:
+        run.finish()
+    except ConnectionError as err:
+        log.warning("wandb's service process ended before the run closed (%s); wandb keeps what it had written", err)
+    with contextlib.suppress(ConnectionError):  # a service gone: nothing left to wait for
+        wandb.teardown()  # unregisters the exit hook first, then waits for the service to end
 
 
 def roll_back_metrics(path: Path, first_step: int) -> int:
