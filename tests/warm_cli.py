@@ -72,6 +72,11 @@ def become_the_run(request: dict) -> None:
         target = os.open(path, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    # wandb makes its media folder (tables) when imported, and deletes it when its process exits; Megatron-Core
+    # imports wandb, so the server's folder is every run's, and the run before this one deleted it
+    wandb_media = sys.modules.get("wandb.sdk.data_types._private")
+    if wandb_media is not None:
+        os.makedirs(wandb_media.MEDIA_TMP.name, exist_ok=True)
     script = request.get("script")
     if script:  # python SCRIPT ARGS: the script's folder first on sys.path, as python puts it
         sys.argv = [script, *request["argv"]]
