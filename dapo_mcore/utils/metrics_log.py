@@ -53,7 +53,20 @@ class MetricsWriter:
             fh.write(json.dumps(row) + "\n")
         if self._wandb_run is not None:
             tables, self._pending_tables = self._pending_tables, {}
-            self._wandb_run.log({**row, **tables}, step=step)
+            try:
+                self._wandb_run.log({**row, **tables}, step=step)
+            except ConnectionError as err:
+                self._lose_wandb(step, err)
+
+    def _lose_wandb(self, step: int, err: ConnectionError) -> None:
+        """wandb's service process is gone: Slurm signals every process of the job (scancel, preemption, the time
+        limit), wandb's too, while the run still finishes its step and saves. metrics.jsonl goes on."""
+        import wandb
+
+        log.warning("wandb's service process has ended (%s): step %d on goes to metrics.jsonl only", err, step)
+        self._wandb_run = None
+        with contextlib.suppress(ConnectionError):
+            wandb.teardown()  # unregisters wandb's exit hook, which would fail the same way
 
     def log_table(self, step: int, rows: list[dict[str, Any]], key: str = "samples") -> None:
         """rows (dicts with the same keys) as a wandb table, sent with the next metrics row (the step's, written

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from dapo_mcore.rollout.vllm_engine import _HarmlessReloadWarning
-from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions
+from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions, read_metrics
 from tests.conftest import REPO
 from tests.e2e.test_train_cli import cli
 from tests.warm_cli import cli_env, run_warm
@@ -80,6 +80,30 @@ def test_wandb_shows_no_advertisement_takes_group_and_tags_and_ends_its_service_
     run = next(r.run for r in wandb_records(tmp_path) if r.HasField("run"))
     assert (run.run_group, list(run.tags)) == ("sweep-1", ["7b", "baseline"])
     assert wandb_history_steps(tmp_path) == [1, 2]
+
+
+# A run's metrics writer while Slurm's SIGTERM (scancel, the time limit) reaches every process of the job, wandb's
+# service too, and the run finishes its step and saves.
+WANDB_SERVICE_KILLED = """import sys, psutil
+from pathlib import Path
+from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions
+writer = MetricsWriter(Path(sys.argv[1]), WandbOptions("offline", "p"))
+writer.write(1, {"loss": 0.5})
+service = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb")]
+for p in service:
+    p.terminate()
+psutil.wait_procs(service, timeout=30)
+writer.write(2, {"loss": 0.4})
+writer.close()"""
+
+
+def test_a_run_whose_wandb_service_was_killed_goes_on_with_metrics_jsonl(tmp_path):
+    """Before: the next wandb.log raised ConnectionResetError, and the run failed instead of saving."""
+    command = [sys.executable, "-c", WANDB_SERVICE_KILLED, str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Exception ignored" not in proc.stderr and "step 2 on goes to metrics.jsonl only" in proc.stderr
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def test_the_rotary_table_line_of_a_vllm_weight_push_is_dropped_and_other_layers_are_kept():
