@@ -629,9 +629,7 @@ def prepare_run_dir(
         if resume is not None:
             rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step + 1)  # row N: N updates done
             if rolled_back:
-                log.warning(
-                    "%d metric rows after step %d moved to metrics.rolled_back.jsonl", rolled_back, resume.step
-                )
+                log.warning("%d metric rows after step %d moved to metrics.rolled_back.jsonl", rolled_back, resume.step)
             if (run_dir / "config.yaml").exists():
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-resume-{stamp}.yaml")
