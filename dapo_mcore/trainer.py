@@ -169,7 +169,8 @@ def should_save(cfg: RunConfig, next_step: int) -> bool:
 
 
 def save(run: Run, next_step: int, background: bool = True) -> Path:
-    """A run checkpoint after step `next_step - 1`, and every hf_export_interval saves an HF export.
+    """A run checkpoint after step `next_step` (that many updates done: step_00000N), and every
+    hf_export_interval saves an HF export.
     background=False: written in this process even with checkpoint.async_save."""
     start = time.perf_counter()
     run_id = run.writer.wandb_run_id if run.writer is not None else None
