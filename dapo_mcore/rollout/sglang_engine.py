@@ -92,9 +92,9 @@ class SGLangEngine:
     def generate_answers(
         self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
     ) -> list[Completion]:
-        """The batch streamed (each chunk: one request's tokens and log-probs so far); once on_finished says
-        stop, the unfinished requests are aborted and the stream read to its end, each aborted request's last
-        chunk holding what it had generated."""
+        """The batch streamed (each chunk: what one request generated since its previous chunk, appended to what
+        it had); once on_finished says stop, the unfinished requests are aborted and the stream read to its end,
+        each aborted request's last chunk ending what it had generated."""
         self._round += 1
         rids = [f"dapo-{self._round}-{i}" for i in range(len(requests))]
         stream = self.engine.generate(
@@ -105,16 +105,13 @@ class SGLangEngine:
             rid=rids,
             **self._routing_request(),
         )
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[float]] = [[] for _ in requests]
+        answers = StreamedAnswers(len(requests))
+        tokens, logprobs = answers.tokens, answers.logprobs
         reasons: list[str | None] = [None] * len(requests)
         routed: list[torch.Tensor | None] = [None] * len(requests)
         stopped = False
         for chunk in stream:
-            i, meta = chunk["index"], chunk["meta_info"]
-            if "output_ids" in chunk:  # cumulative (SGLang's default streaming)
-                tokens[i] = list(chunk["output_ids"])
-                logprobs[i] = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []][: len(tokens[i])]
+            i, meta = answers.add(chunk), chunk["meta_info"]
             if meta.get("finish_reason") is None or reasons[i] is not None:
                 continue
             reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
@@ -185,6 +182,41 @@ class SGLangEngine:
             self.engine = None
 
 
+class StreamedAnswers:
+    """The tokens and log-probs of each request of a streamed batch so far, grown by each chunk's new part.
+
+    The engine streams incrementally (`incremental_streaming_output`): a chunk carries only what its request
+    generated since its previous chunk, so reading the stream is linear in the answers' lengths. SGLang's default
+    re-sends the whole output at every chunk (4 x 10^8 tokens and log-probs copied for one 20k-token answer)."""
+
+    def __init__(self, n_requests: int):
+        self.tokens: list[list[int]] = [[] for _ in range(n_requests)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n_requests)]
+
+    def add(self, chunk: dict) -> int:
+        """Appends the chunk's new tokens and log-probs to its request's; returns the request's index."""
+        i = chunk["index"]
+        new_tokens, new_logprobs = chunk_delta(chunk, len(self.tokens[i]))
+        self.tokens[i] += new_tokens
+        self.logprobs[i] += new_logprobs
+        return i
+
+
+def chunk_delta(chunk: dict, n_before: int) -> tuple[list[int], list[float]]:
+    """The tokens and log-probs an incremental chunk adds to a request that had n_before tokens: at most
+    completion_tokens - n_before of each (work proportional to that, not to the answer so far).
+
+    meta_info's completion_tokens (the request's total) bounds what is new: SGLang's last chunk for a request aborted
+    in its waiting queue repeats the last token and carries every log-prob; a log-prob may run one past the tokens
+    (SGLang sends at least one per step); several chunks queued are joined into one (their deltas concatenated)."""
+    meta = chunk["meta_info"]
+    delta_ids = chunk.get("output_ids") or []
+    n_new = max(0, meta.get("completion_tokens", n_before + len(delta_ids)) - n_before)
+    new_tokens = list(delta_ids[:n_new])
+    new_logprobs = [float(entry[0]) for entry in (meta.get("output_token_logprobs") or [])[:n_new]]
+    return new_tokens, new_logprobs
+
+
 def _finish_reason(reason: dict, allow_abort: bool = False) -> str:
     kind = reason["type"]
     if kind in ("stop", "length") or (kind == "abort" and allow_abort):
@@ -228,6 +260,8 @@ def _engine_kwargs(s: EngineSettings) -> dict:
         enable_deterministic_inference=not on_cpu,
         # logging.engine_log: quiet, errors only; verbose, SGLang's default (its INFO lines)
         log_level="error" if s.engine_log == "quiet" else "info",
+        # generate_answers' stream: each chunk only what is new (StreamedAnswers), linear in the answer's length
+        incremental_streaming_output=True,
     )
     if s.return_routed_experts:  # the capture is allocated at start; each request then asks for its rows
         if problem := routing_unavailable("sglang", s.device):
