@@ -46,6 +46,7 @@ from dapo_mcore.mcore.provider import (
 )
 from dapo_mcore.parallel import (
     ParallelContext,
+    StoreBoard,
     all_gather_objects,
     all_to_all_on_host,
     broadcast_object,
@@ -522,6 +523,8 @@ def build_sampler(
         exchange=partial(all_to_all_on_host, group=ctx.wait_group),
         dp_rank_of=all_gather_objects(ctx.dp_rank),
         trainers_of=partial(dp_split.trainers, mini_batch_size=cfg.trainer.mini_batch_size),
+        # a read waits for the leader's verdicts or the stop news: as long as replicas wait for each other
+        board=StoreBoard("dapo/rollout/", timeout_minutes=cfg.parallel.generation_timeout_minutes),
     )
 
 

@@ -2,6 +2,7 @@
 
 from dapo_mcore.parallel.state import (
     ParallelContext,
+    StoreBoard,
     all_gather_objects,
     all_to_all_on_host,
     broadcast_object,
@@ -14,6 +15,7 @@ from dapo_mcore.parallel.state import (
 
 __all__ = [
     "ParallelContext",
+    "StoreBoard",
     "all_gather_objects",
     "all_to_all_on_host",
     "broadcast_object",

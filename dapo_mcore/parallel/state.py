@@ -283,3 +283,29 @@ def on_rank0(fn: Callable[[], Any], error: type[Exception]) -> Any:
     if not ok:
         raise error(value)
     return value
+
+
+class StoreBoard:
+    """Small values shared between ranks without a collective, over the process group's key-value store (the
+    c10d TCPStore torchrun's rendezvous or init_process_group made): a rank publishes, others read when they
+    get there (a read waits for the key, up to `timeout`), counters add up across ranks. For decisions that
+    must be the same on a few ranks (an engine replica's TP ranks) or summed over many (kept groups across
+    replicas) inside a loop the ranks run at their own pace, where a collective would make every rank wait for
+    the slowest, or hang when one leaves the loop."""
+
+    def __init__(self, prefix: str, timeout_minutes: float):
+        store = dist.distributed_c10d._get_default_store()  # no public getter; PrefixStore keeps ours apart
+        self._store = dist.PrefixStore(prefix, store)
+        self._store.set_timeout(timedelta(minutes=timeout_minutes))
+
+    def publish(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def read(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)

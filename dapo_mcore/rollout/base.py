@@ -147,8 +147,16 @@ def routing_rows(request: AnswerRequest, n_new: int) -> int:
 
 
 # Told of each answer as it ends (its index in the request list; token_ids and text as in the final
-# completion, log-probs possibly not yet filled in): True stops the round.
+# completion, log-probs possibly not yet filled in): True stops the round. An on_finished may also have a
+# `poll()` method, which the adapter calls after each engine step (True stops the round at that step): how a
+# round stops on other replicas' news, and how an engine's TP ranks stop at the same step
+# (rollout/agreement.py RoundControl).
 OnFinished = Callable[[int, Completion], bool]
+
+
+def step_poll(on_finished: OnFinished) -> Callable[[], bool]:
+    """on_finished's poll(), or one that never stops the round."""
+    return getattr(on_finished, "poll", None) or (lambda: False)
 
 
 @runtime_checkable

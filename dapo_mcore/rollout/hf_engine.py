@@ -22,6 +22,7 @@ from dapo_mcore.rollout.base import (
     SamplingParams,
     answer_completion,
     routing_rows,
+    step_poll,
 )
 from dapo_mcore.rollout.model_info import check_weight, checkpoint_named_views
 
@@ -217,6 +218,7 @@ class _RoundStopper(StoppingCriteria):
         self.width = 0  # the padded input width: new tokens start there
         self.ends: list[tuple[int, str] | None] = [None] * len(rows)  # (answer length, finish reason)
         self.stopped = False
+        self.poll = step_poll(on_finished)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         new_tokens = input_ids[:, self.width :]
@@ -235,6 +237,7 @@ class _RoundStopper(StoppingCriteria):
                 tokens = new_tokens[i].tolist()
                 answer = answer_completion(self.engine.tokenizer, request, tokens, [], self.ends[i][1])
                 self.stopped = bool(self.on_finished(self.first_index + i, answer))
+        self.stopped = self.stopped or bool(self.poll())
         if self.stopped:
             return torch.ones(len(self.rows), dtype=torch.bool, device=input_ids.device)
         return torch.tensor([end is not None for end in self.ends], dtype=torch.bool, device=input_ids.device)

@@ -32,6 +32,7 @@ from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict, token_tensor, value_tensor
 from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.rollout.agreement import AgreedVerify, Board, LocalBoard, ReplicaRole, RoundControl
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, GroupSummary, Transport, fetch_groups, summarize
 from dapo_mcore.rollout.partial import (
@@ -128,13 +129,19 @@ class RolloutSampler:
         # receives every sample
         dp_rank_of: Sequence[int] | None = None,
         trainers_of: Callable[[list[int]], list[int]] | None = None,
+        # values shared between ranks without a collective (parallel.StoreBoard): a partial round's stop and a
+        # replica's verdicts (rollout/agreement.py); None: this process alone
+        board: Board | None = None,
     ):
-        self.engine, self.tokenizer, self.prompts, self.verify = engine, tokenizer, prompts, verify
+        self.engine, self.tokenizer, self.prompts = engine, tokenizer, prompts
         self.settings, self.rank, self.world_size, self.all_gather = settings, rank, world_size, all_gather
         # The ranks of one engine replica (consecutive, engine_tp_size of them) send the same prompts with the
         # same seeds and get the same answers; prompts are split over replicas, not ranks.
         self.engine_tp_size = engine_tp_size
         self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
+        self.board = board if board is not None else LocalBoard()
+        self.role = ReplicaRole(self.replica, rank % engine_tp_size, engine_tp_size)
+        self.verify = AgreedVerify(verify, self.board, self.role)  # every TP rank of a replica: its leader's
         self.keep_filter, self.exchange, self.trainers_of = keep_filter, exchange, trainers_of
         self._ranks = ExchangeRanks(rank, engine_tp_size, tuple(dp_rank_of or [0] * world_size))
         self.carry: list[Group] = []
@@ -250,11 +257,12 @@ class RolloutSampler:
         requests, slots = answer_requests(
             mine, cfg.max_response_len, derive_seed(cfg.seed, step, round_idx, self.replica)
         )
-        quota = math.ceil(wanted / self.n_replicas)
-        stopper = QuotaStopper(mine, slots, quota, self._judge, version=step)
+        stopper = QuotaStopper(mine, slots, wanted, self._judge, version=step)
+        # stops once `wanted` groups are kept over every replica (rollout/agreement.py)
+        control = RoundControl(stopper, self.board, self.role, f"round/{step}/{round_idx}", wanted)
         params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p)
         with timer.phase("generate"):
-            completions = self.engine.generate_answers(requests, params, stopper) if requests else []
+            completions = self.engine.generate_answers(requests, params, control) if requests else []
         groups = [Group(g.prompt, list(g.samples)) for g in mine]
         for slot, completion in zip(slots, completions):
             sample = groups[slot.group].samples[slot.sample]
@@ -269,6 +277,8 @@ class RolloutSampler:
         self._local.update((keys[i], groups[i]) for i in keep | unfinished)  # only these may move
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
         gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
+        if self.rank == 0:  # every replica has left the round
+            control.forget()
         n, tp = self.n_replicas, self.engine_tp_size
         self._partial_stats += [stats for _, stats in gathered[::tp]]
         ordered = [gathered[(i % n) * tp][0][i // n] for i in range(len(inputs))]

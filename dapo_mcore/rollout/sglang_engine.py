@@ -29,6 +29,7 @@ from dapo_mcore.rollout.base import (
     answer_completion,
     request_seeds,
     routing_unavailable,
+    step_poll,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 from dapo_mcore.utils.errors import ConfigError
@@ -109,9 +110,12 @@ class SGLangEngine:
         tokens, logprobs = answers.tokens, answers.logprobs
         reasons: list[str | None] = [None] * len(requests)
         routed: list[torch.Tensor | None] = [None] * len(requests)
-        stopped = False
+        stopped, poll = False, step_poll(on_finished)
         for chunk in stream:
             i, meta = answers.add(chunk), chunk["meta_info"]
+            if not stopped and poll():  # a chunk stands for a step here (partial rollout runs at engine TP 1)
+                stopped = True
+                self._abort_unfinished(rids, reasons)
             if meta.get("finish_reason") is None or reasons[i] is not None:
                 continue
             reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
@@ -120,13 +124,16 @@ class SGLangEngine:
                 answer = answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i], routed[i])
                 stopped = bool(on_finished(i, answer))
                 if stopped:
-                    for rid, reason in zip(rids, reasons):
-                        if reason is None:
-                            self.engine.tokenizer_manager.abort_request(rid=rid)
+                    self._abort_unfinished(rids, reasons)
         return [
             answer_completion(self.tokenizer, r, t, lp, reason or "abort", routing)
             for r, t, lp, reason, routing in zip(requests, tokens, logprobs, reasons, routed)
         ]
+
+    def _abort_unfinished(self, rids: list[str], reasons: list[str | None]) -> None:
+        for rid, reason in zip(rids, reasons):
+            if reason is None:
+                self.engine.tokenizer_manager.abort_request(rid=rid)
 
     def _completion(self, out: dict) -> Completion:
         meta = out["meta_info"]

@@ -33,6 +33,7 @@ from dapo_mcore.rollout.base import (
     answer_completion,
     request_seeds,
     routing_unavailable,
+    step_poll,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
 
@@ -131,7 +132,7 @@ class VLLMEngine:
         logprobs: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * len(requests)
         routed: list[torch.Tensor | None] = [None] * len(requests)
-        stopped = False
+        stopped, poll = False, step_poll(on_finished)
         try:
             while not stopped and engine.has_unfinished_requests():
                 for out in engine.step():
@@ -146,6 +147,7 @@ class VLLMEngine:
                         )
                         if not stopped:  # the answers ending in the same step are kept, untold
                             stopped = bool(on_finished(i, answer))
+                stopped = stopped or bool(poll())  # every TP rank polls after the same steps
         finally:  # stopped, or failed: nothing of this round may stay in the engine
             unfinished = [request_id for request_id, reason in zip(ids, reasons) if reason is None]
             if unfinished:

@@ -10,6 +10,7 @@ from dapo_mcore.data.arithmetic import ArithmeticTask
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import group_to_dict
 from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.agreement import LocalBoard
 from dapo_mcore.rollout.sampler import DynamicSamplingCapError, RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, ScriptedEngine
@@ -180,7 +181,7 @@ def test_ranks_of_one_engine_replica_send_the_same_prompts_and_seeds():
             seen[self.rank] = (prompt_ids, params.seed)
             return super().generate(prompt_ids, params)
 
-    samplers = []
+    samplers, board = [], LocalBoard()  # one board, as the process group's store is: peers read leaders' verdicts
     for rank in range(4):
         engine = Recorder(half_right)
         engine.rank = rank
@@ -195,6 +196,7 @@ def test_ranks_of_one_engine_replica_send_the_same_prompts_and_seeds():
                 world_size=4,
                 all_gather=lambda obj: [obj] * 4,  # a stand-in: only the replica split is checked here
                 engine_tp_size=2,
+                board=board,
             )
         )
         samplers[-1]._generate_round(step=0, round_idx=0, n_prompts=8, timer=PhaseTimer())
