@@ -112,6 +112,11 @@ class PromptStream:
             self.offset += 1
         return out
 
+    @property
+    def taken(self) -> int:
+        """Prompts taken since the stream began, over every epoch (the same on every rank)."""
+        return self.epoch * len(self.source) + self.offset
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "fingerprint": self.fingerprint}
 

@@ -159,12 +159,14 @@ class RolloutSampler:
         rounds = 0
         stale = self._drop_stale(step)
         while self._needs_round(len(kept), rounds):
+            taken_before = self.prompts.taken
             if cfg.partial_rollout:
                 wanted = cfg.prompts_per_step - len(kept)
                 summaries = self._generate_partial_round(step, rounds, self._round_size(len(kept)), wanted, timer)
             else:
                 summaries = self._generate_round(step, rounds, self._round_size(len(kept)), timer)
-            self.keep_rate.observe(len(summaries), sum(g.keep for g in summaries))
+            # prompts taken, not groups returned: a partial round returns its finished groups only (KeepRateEstimator)
+            self.keep_rate.observe(self.prompts.taken - taken_before, sum(g.keep for g in summaries))
             generated += summaries
             kept += [g for g in summaries if g.keep]
             rounds += 1
