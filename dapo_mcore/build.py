@@ -607,7 +607,7 @@ def check_config_changes(cfg: RunConfig, resume: Resume) -> None:
     for section in (saved, now):
         section.get("checkpoint", {}).pop("resume", None)
     changes = config_changes(saved, now)
-    experiment = [change for change in changes if changes_the_experiment(change[0])]
+    experiment = [change for change in changes if changes_the_experiment(change)]
     if experiment and cfg.checkpoint.resume == "auto":
         raise ConfigError(
             f"checkpoint.resume=auto: {resume.path} is another experiment: {len(experiment)} config keys differ "

@@ -49,7 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import Terminated
+
+log = get_logger(__name__)
 
 # slurm/train.sbatch creates this file when Slurm warns of the time limit. A file, not a signal passed on to
 # the tasks: Slurm signals every process of a job step, and the engine's or the verifiers' worker processes
@@ -58,6 +61,7 @@ STOP_FILE_ENV = "DAPO_STOP_FILE"
 AT_ONCE = " at once"  # appended to a signal's name: a stop whose Terminated was dropped (module doc)
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
 SAVED_STOP_SUFFIX = ".saved"
+SLURM_WARNING = "Slurm's time-limit warning"  # the stop file slurm/train.sbatch creates on SIGUSR1
 TIME_LIMIT_REASON = "the job's time limit"  # the run's own stop: a step and a save would end after the job
 END_TIME_REFRESH_S = 600.0  # `scontrol update TimeLimit=` moves the end: read it again this often
 # The next step is estimated by the longest of the last RECENT_STEPS (a validation every <= 20 steps is in them,
@@ -87,6 +91,7 @@ class _StopState:
     save_on_signal: bool = True
     sigterm_grace_s: float = 20.0
     job_clock: JobClock | None = None  # rank 0 under Slurm: when the job ends, how long a step and a save take
+    warning_deferred: bool = False  # Slurm's warning came while the clock decides (said once)
 
 
 _state = _StopState()
@@ -116,7 +121,7 @@ def requested_stop() -> str | None:
     if _state.reason is None:
         stop_file = os.environ.get(STOP_FILE_ENV)
         if stop_file and os.path.exists(stop_file):
-            return "Slurm's time-limit warning"
+            return SLURM_WARNING
     return _state.reason
 
 
@@ -125,8 +130,17 @@ def agreed_stop() -> str | None:
     slightly different times; all of them must stop after the same step)."""
     from dapo_mcore.parallel import all_gather_objects  # not at import: the CLI installs handlers first
 
-    out_of_time = _state.job_clock.at_boundary(time.time()) if _state.job_clock is not None else None
-    reasons = [r for r in all_gather_objects(requested_stop() or out_of_time) if r is not None]
+    clock = _state.job_clock
+    out_of_time = clock.at_boundary(time.time()) if clock is not None else None
+    gathered = all_gather_objects(([requested_stop(), out_of_time], clock is not None))
+    # While rank 0's clock knows the job's end, it decides: Slurm's warning (sbatch --signal, 50 minutes ahead
+    # by default, so that a step and a save fit without the clock) would stop every attempt that much early.
+    clock_decides = any(watching for _, watching in gathered)
+    deferred = SLURM_WARNING if clock_decides else None
+    reasons = [r for asked, _ in gathered for r in asked if r is not None and r != deferred]
+    if clock is not None and requested_stop() == SLURM_WARNING and not _state.warning_deferred:
+        _state.warning_deferred = True
+        log.info("%s: the run goes on until a step and a save no longer fit before the job's end", SLURM_WARNING)
     for most_urgent in ("SIGINT", "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGTERM"):
         if most_urgent in reasons:
             return most_urgent
@@ -255,7 +269,7 @@ def watch_time_limit(enabled: bool, margin_s: float, save_bytes: int, environ: M
                      now: Callable[[], float] = time.time) -> str | None:  # fmt: skip
     """At the start of a run (every rank; `enabled` on rank 0 alone): watch the job's end from here on. Returns
     the line to log, or None (off, not in a Slurm job, or a job without a time limit)."""
-    _state.job_clock = None
+    _state.job_clock, _state.warning_deferred = None, False
     job_end = job_end_time(environ) if enabled else None
     if job_end is None:
         return None

@@ -24,6 +24,7 @@ from dapo_mcore.config.schema import RunConfig
 from dapo_mcore.utils.errors import ConfigError
 
 _DEFAULTS_KEY = "defaults"
+_ABSENT = "(absent)"  # a key one of two configs compared has not got (config_changes)
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 
 
@@ -80,7 +81,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "")
     included, as "(absent)": a save from an older version, a key added since)."""
     changes = []
     for key in list(now) + [k for k in saved if k not in now]:
-        old, new = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        old, new = saved.get(key, _ABSENT), now.get(key, _ABSENT)
         if isinstance(old, dict) and isinstance(new, dict):
             changes += config_changes(old, new, f"{prefix}{key}.")
         elif old != new:
@@ -115,8 +116,20 @@ SAME_EXPERIMENT_KEYS = (
 )  # fmt: skip
 
 
-def changes_the_experiment(key: str) -> bool:
-    return not any(fnmatch.fnmatchcase(key, pattern) for pattern in SAME_EXPERIMENT_KEYS)
+def changes_the_experiment(change: tuple[str, Any, Any]) -> bool:
+    """A (key, old, new) change that makes another experiment: not in SAME_EXPERIMENT_KEYS, and not a key a save
+    from an older version lacks and that holds its default now (nor one this version no longer has): a job
+    re-queued after an upgrade that added a key continues its run."""
+    key, old, new = change
+    if any(fnmatch.fnmatchcase(key, pattern) for pattern in SAME_EXPERIMENT_KEYS) or new == _ABSENT:
+        return False
+    return not (old == _ABSENT and _value_at(config_to_dict(RunConfig()), key) == new)
+
+
+def _value_at(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:

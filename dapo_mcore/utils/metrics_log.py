@@ -42,10 +42,13 @@ class MetricsWriter:
         self._pending_tables: dict[str, Any] = {}  # log_table's, sent with the next metrics row
         if wandb_options is not None and wandb_options.mode != "disabled":
             self._wandb_run = _start_wandb(Path(run_dir), wandb_options, run_name, config, run_id)
+        # kept when wandb's service is lost mid-run: the stop's save records it, and the re-queued job continues
+        # the same wandb run instead of starting another
+        self._run_id = None if self._wandb_run is None else self._wandb_run.id
 
     @property
     def wandb_run_id(self) -> str | None:
-        return None if self._wandb_run is None else self._wandb_run.id
+        return self._run_id
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}

@@ -88,12 +88,14 @@ WANDB_SERVICE_KILLED = """import sys, psutil
 from pathlib import Path
 from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions
 writer = MetricsWriter(Path(sys.argv[1]), WandbOptions("offline", "p"))
+run_id = writer.wandb_run_id
 writer.write(1, {"loss": 0.5})
 service = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb")]
 for p in service:
     p.terminate()
 psutil.wait_procs(service, timeout=30)
 writer.write(2, {"loss": 0.4})
+assert writer.wandb_run_id == run_id, "the stop's save would record no wandb run: the next job would start another"
 writer.close()"""
 
 

@@ -166,3 +166,19 @@ def test_validation_settings_are_checked(overrides, message):
 
 def test_eval_files_are_a_comma_separated_list():
     assert eval_file_list(" a.jsonl, b.jsonl ,") == ["a.jsonl", "b.jsonl"]
+
+
+def test_a_key_added_since_an_older_save_at_its_default_does_not_make_another_experiment():
+    """A job re-queued after an upgrade that added rollout.partial_max_staleness was refused by resume=auto."""
+    from dapo_mcore.config.loader import changes_the_experiment, config_changes, config_to_dict
+
+    now = config_to_dict(RunConfig())
+    saved = config_to_dict(RunConfig())
+    del saved["rollout"]["partial_max_staleness"]
+    saved["algorithm"]["no_longer_a_key"] = 1
+    changes = config_changes(saved, now)
+    assert len(changes) == 2 and not any(map(changes_the_experiment, changes))
+    now["rollout"]["partial_max_staleness"] = 3  # set otherwise than its default: the experiment differs
+    assert [c[0] for c in config_changes(saved, now) if changes_the_experiment(c)] == ["rollout.partial_max_staleness"]
+    assert changes_the_experiment(("algorithm.clip_high", 0.28, 0.3))
+    assert not changes_the_experiment(("trainer.steps", 10, 20))

@@ -136,7 +136,8 @@ def test_sigint_raises_keyboard_interrupt_at_once(handlers):
 def test_every_rank_agrees_on_the_most_urgent_stop(monkeypatch, per_rank, agreed):
     import dapo_mcore.parallel
 
-    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: per_rank)
+    gathered = [([reason, None], False) for reason in per_rank]  # (asked, time limit stop), clock watching
+    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: gathered)
     assert launch.agreed_stop() == agreed
 
 
@@ -328,13 +329,34 @@ def test_rank_0s_time_limit_stop_joins_the_same_gather_as_the_signals(monkeypatc
     import dapo_mcore.parallel
 
     gathered = []
-    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: gathered.append(obj) or [obj, None])
+    other_rank = ([None, None], False)
+    monkeypatch.setattr(
+        dapo_mcore.parallel, "all_gather_objects", lambda obj: gathered.append(obj) or [obj, other_rank]
+    )
     monkeypatch.setattr(launch, "requested_stop", lambda: None)
     launch._state.job_clock = job_clock(job_end=time.time() + 60.0)
     assert launch.agreed_stop() is None  # the first boundary: no step timed yet
     launch._state.job_clock.last_boundary -= 30.0  # a step of 30 s: 30 + 50 + 100 s do not fit in 60
     assert launch.agreed_stop().startswith(launch.TIME_LIMIT_REASON)
     assert len(gathered) == 2  # one gather a boundary, as before: no extra collective
+
+
+def test_slurms_warning_waits_for_the_clock_while_rank_0_knows_the_jobs_end(monkeypatch, no_job_clock):
+    """sbatch --signal=B:USR1@3000 (the default, so that a step and a save fit without the clock) stopped every
+    attempt 50 minutes early although the clock knew better."""
+    import dapo_mcore.parallel
+
+    warned_rank = ([launch.SLURM_WARNING, None], False)
+    monkeypatch.setattr(dapo_mcore.parallel, "all_gather_objects", lambda obj: [obj, warned_rank])
+    monkeypatch.setattr(launch, "requested_stop", lambda: launch.SLURM_WARNING)
+    launch._state.job_clock = job_clock(job_end=time.time() + 3000.0)
+    assert launch.agreed_stop() is None  # the first boundary
+    launch._state.job_clock.last_boundary -= 30.0  # a step of 30 s: 30 + 50 + 100 s fit in 3000
+    assert launch.agreed_stop() is None
+    launch._state.job_clock.job_end = time.time() + 120.0  # now they do not
+    assert launch.agreed_stop().startswith(launch.TIME_LIMIT_REASON)
+    launch._state.job_clock = None  # no clock (squeue unreadable, or off): the warning stops the run
+    assert launch.agreed_stop() == launch.SLURM_WARNING
 
 
 def test_a_time_limit_stop_creates_the_stop_file_so_the_batch_script_requeues(monkeypatch, tmp_path):
