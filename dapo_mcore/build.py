@@ -110,7 +110,7 @@ class Resume:
     run_state: dict[str, Any]
 
     @property
-    def step(self) -> int:  # the next step to run
+    def step(self) -> int:  # the save's step: updates done, where the run continues
         return int(self.run_state["step"])
 
 
@@ -571,16 +571,13 @@ def load_tokenizer(hf_path: str) -> Any:
 
 
 def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, spec: ModelSpec) -> Resume | None:
-    """The save named by checkpoint.resume (none / auto / a path), with its run state; the same on every rank.
+    """The save named by checkpoint.resume (none / auto / force / a path), with its run state; the same on every rank.
     Checked against the configured model before the run directory or any weight is touched."""
     choice = cfg.checkpoint.resume
     if choice == "none":
-        outside_run_dir = not checkpoints.root.resolve().is_relative_to(run_dir.resolve())
-        if outside_run_dir and any(checkpoints.root.glob("step_*")):
-            raise CheckpointError(
-                f"checkpoint.dir {checkpoints.root} holds saves of an earlier run: continue it with "
-                "checkpoint.resume=auto, or give this run another checkpoint.dir"
-            )
+        problem = earlier_saves_problem(checkpoints.root, run_dir)
+        if problem:
+            raise CheckpointError(problem)
         return None
     newest = choice in ("auto", "force")
     path = checkpoints.latest_complete() if newest else checkpoints.verified(Path(choice))
@@ -591,6 +588,18 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
     log.info("resuming from %s at step %d", path, resume.step)
     check_config_changes(cfg, resume)
     return resume
+
+
+def earlier_saves_problem(checkpoint_dir: Path, run_dir: Path) -> str | None:
+    """A fresh run (checkpoint.resume=none) whose checkpoint.dir, outside its run directory (which is moved
+    aside), holds another run's saves: its saves would mix with them."""
+    outside_run_dir = not checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
+    if outside_run_dir and any(checkpoint_dir.glob("step_*")):
+        return (
+            f"checkpoint.dir {checkpoint_dir} holds saves of an earlier run: continue it with "
+            "checkpoint.resume=auto, or give this run another checkpoint.dir"
+        )
+    return None
 
 
 def check_config_changes(cfg: RunConfig, resume: Resume) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dapo_mcore.build import Resume, check_config_changes, check_routing_replay
+from dapo_mcore.build import Resume, check_config_changes, check_routing_replay, earlier_saves_problem
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
@@ -149,6 +149,9 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec) -> None:
         save = find_latest_complete(checkpoint_dir_of(cfg))
     elif resume != "none" and Path(resume).is_dir():
         save = Path(resume)
+    if resume == "none" and (problem := earlier_saves_problem(checkpoint_dir_of(cfg), run_dir)):
+        report.problems.append(problem)
+        return
     if save is not None:
         state = read_run_state(save, spec)
         check_config_changes(cfg, Resume(save, state))  # resume=auto refuses another experiment

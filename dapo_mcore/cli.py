@@ -216,6 +216,8 @@ def _plot(args: argparse.Namespace) -> int:
     if not metrics.is_file():
         raise ConfigError(f"plot: no metrics file at {metrics} (give a run directory or its metrics.jsonl)")
     out = Path(args.out) if args.out else metrics.parent / ("plot.png" if args.keys else "curves.png")
+    if not out.parent.is_dir():
+        raise ConfigError(f"plot: --out {out}: no directory {out.parent}")
     panels = plot_run(metrics, out, title=metrics.parent.name, keys=args.keys)
     if not panels:
         raise ConfigError(f"plot: {metrics} has no steps to plot yet")

@@ -237,10 +237,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.ctx.device.type == "cuda" else None)
     start = time.perf_counter()
     batch, memory = rollout_phase(run, step, timer)
-    if run.writer is not None:  # rank 0, among the answers it holds; step + 1: the step once its update is done
-        tokenizer = run.sampler.tokenizer.tokenizer  # the sampler's PromptFormatter holds the HF tokenizer
-        log_step_samples(batch.groups, step + 1, run.cfg.logging.samples_per_step, tokenizer,
-                         run.run_dir / SAMPLES_DIR, run.writer.log_table)  # fmt: skip
+    write_samples(run, batch, step + 1)
     metrics = {**batch.metrics, **memory}
     if batch.groups:  # an empty batch (nothing kept at the round cap) makes no update
         metrics.update(train_phase(run, batch.samples, step, timer))
@@ -249,6 +246,19 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         with timer.phase("weight_push"):
             metrics.update(push_weights(run))
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
+
+
+def write_samples(run: Run, batch: RolloutBatch, step: int) -> None:
+    """Rank 0: some of the step's answers, among those it holds, to samples/ and wandb. Optional output: a disk
+    that refuses them costs a warning, not the run (the other ranks are already in the update's collectives)."""
+    if run.writer is None:
+        return
+    tokenizer = run.sampler.tokenizer.tokenizer  # the sampler's PromptFormatter holds the HF tokenizer
+    try:
+        log_step_samples(batch.groups, step, run.cfg.logging.samples_per_step, tokenizer, run.run_dir / SAMPLES_DIR,
+                         run.writer.log_table)  # fmt: skip
+    except OSError as err:
+        log.warning("step %d: the samples were not written (%s); training on", step, err)
 
 
 def train_phase(run: Run, samples: list[Sample], step: int, timer: PhaseTimer) -> dict[str, float]:

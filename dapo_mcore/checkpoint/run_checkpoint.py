@@ -1,6 +1,6 @@
 """Run checkpoints: the whole state of a run in one Megatron-Core distributed checkpoint per save.
 
-    <dir>/step_000012/            one save; 12 is the next step to run
+    <dir>/step_000012/            one save, after step 12 (12 updates done)
         ... dist_checkpointing files: "model" and "optimizer" sharded, per-rank "rng";
             in the common state the LR schedule, the run state (data position, dynamic-sampling state and
             carried-over groups, logger run id) and "format" (model spec, layout saved at, step)
@@ -113,7 +113,7 @@ class CheckpointManager:
 
     # ----- saving -----------------------------------------------------------------------------------------
     def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any], background: bool = True) -> Path:
-        """Save after `step - 1` finished; `step` is the next step to run. Collective over all ranks.
+        """Save after step `step` (that many updates done: step_00000N). Collective over all ranks.
 
         With async_save (and background), the shards are written by a background process while training goes
         on; the save becomes complete (manifest, rename, `latest`) in a later `poll()` or `wait()`. One save at
@@ -386,7 +386,7 @@ class CheckpointManager:
 
 
 def read_run_state(path: Path, spec: ModelSpec) -> dict[str, Any]:
-    """The run state of a save (next step, data position, sampler state, logger run id), after checking the
+    """The run state of a save (its step, data position, sampler state, logger run id), after checking the
     save holds the model `spec` describes; weights are not read."""
     common = _run_common_state(path)
     check_model_spec(common["format"]["model_spec"], spec, path)

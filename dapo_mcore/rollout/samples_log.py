@@ -17,6 +17,7 @@ group of 8 shows two of each rather than four draws that may all agree.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,9 @@ def write_step_file(samples_dir: Path, step: int, rows: list[dict[str, Any]]) ->
 
 
 def _roll_back_from(samples_dir: Path, step: int) -> None:
-    rolled_back = samples_dir / ROLLED_BACK_DIR
-    rolled_back.mkdir(exist_ok=True)
+    """Into rolled_back/<time>/: a second resume from the same save leaves the first one's files alone."""
+    rolled_back = samples_dir / ROLLED_BACK_DIR / time.strftime("%Y%m%d-%H%M%S")
+    rolled_back.mkdir(parents=True, exist_ok=True)
     for path in samples_dir.glob("step_*.jsonl"):
         if _step_of(path) >= step:
             path.replace(rolled_back / path.name)

@@ -90,8 +90,15 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl; a row cut short (a killed run's last) is left out, as roll_back_metrics does."""
+    rows = []
     with Path(path).open() as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for line in fh:
+            if not line.strip():
+                continue
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+    return rows
 
 
 def _cell(value: Any) -> Any:

@@ -76,10 +76,11 @@ def test_check_lists_every_problem_train_would_meet_in_one_pass(tmp_path):
     installed, or an engine / model pair train refuses (vLLM's CPU build and experts)."""
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "What is 2+2?"}\n')
+    (tmp_path / "saves" / "step_000003").mkdir(parents=True)  # another run's, where this one would save
     proc = run_cli(
         "check", "examples/smoke_cpu.yaml", "model.hf_path=examples/models/tiny-arith-moe", "rollout.engine=vllm",
         "parallel.pipeline_model_parallel_size=0", "algorithm.clip_low=2", f"data.source={bad}",
-        f"logging.run_dir={tmp_path}/run",
+        f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/saves",
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     problems = [line[4:] for line in proc.stderr.splitlines() if line.startswith("  - ")]
@@ -89,8 +90,10 @@ def test_check_lists_every_problem_train_would_meet_in_one_pass(tmp_path):
         "rollout.engine=vllm on the CPU cannot take weight pushes into a mixture-of-experts model's experts "
         "(vLLM's CPU MoE kernels; docs/engines.md): use rollout.engine=hf or sglang on the CPU",
         f"{bad}:1: missing key 'answer' (keys present: ['prompt'])",
+        f"checkpoint.dir {tmp_path}/saves holds saves of an earlier run: continue it with checkpoint.resume=auto, "
+        "or give this run another checkpoint.dir",
     ]
-    assert "the run would not start: 4 problems:" in proc.stderr
+    assert "the run would not start: 5 problems:" in proc.stderr
 
 
 def test_check_names_a_missing_engine_package_and_says_an_earlier_run_will_be_moved_aside(tmp_path):

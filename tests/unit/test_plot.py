@@ -106,3 +106,13 @@ def test_plot_command_unknown_key_is_one_line_naming_close_ones(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"dapo-mcore: error: plot: no metric '{key}'") and hint in err
     assert "\n" not in err
+
+
+def test_plot_command_skips_a_row_cut_short_and_names_a_missing_out_directory(tmp_path, capsys):
+    """A killed run's last row, cut mid-write, and an --out in no directory were tracebacks."""
+    metrics = write_metrics(tmp_path)
+    with metrics.open("a") as fh:
+        fh.write('{"step": 99, "rollout/acc')
+    assert main(["plot", str(tmp_path), "--keys", "actor/entropy"]) == 0
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "nowhere" / "x.png")]) == 2
+    assert f"plot: --out {tmp_path}/nowhere/x.png: no directory {tmp_path}/nowhere" in capsys.readouterr().err

@@ -86,7 +86,8 @@ def test_a_resumed_run_rewrites_the_steps_it_runs_again_and_keeps_the_left_ones_
     assert {r["prompt_uid"] for r in read_step_samples(samples, 1)} == {"first"}  # left alone
     assert {r["prompt_uid"] for r in read_step_samples(samples, 2)} == {"resumed"}
     assert not step_file(samples, 3).exists()  # the left trajectory's step 3 is not this run's
-    assert sorted(p.name for p in (samples / "rolled_back").iterdir()) == ["step_000002.jsonl", "step_000003.jsonl"]
+    (attempt,) = (samples / "rolled_back").iterdir()  # one folder a roll-back: a later one overwrites nothing
+    assert sorted(p.name for p in attempt.iterdir()) == ["step_000002.jsonl", "step_000003.jsonl"]
 
 
 def test_negative_samples_per_step_is_a_config_error():
