@@ -33,6 +33,11 @@ def die_on_crash(response: str, reference: str) -> bool:
     return is_correct(response, reference)
 
 
+def raise_in_filter(group) -> bool:
+    """A dynamic-sampling filter with a bug: it raises on every group."""
+    raise ValueError(f"filter bug: no rule for {group.prompt.uid}")
+
+
 def drop_every_group(group) -> bool:
     """A dynamic-sampling filter that keeps nothing: every step hits the round cap."""
     return False

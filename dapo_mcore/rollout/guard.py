@@ -10,7 +10,9 @@ that died) becomes an EngineError naming the engine, the call and the cause, whi
 line and exits on (exit code 3, utils/errors.py). The original exception stays chained to it and its whole
 traceback is logged once, at error level, on the rank it happened on (under Slurm: that task's log file),
 where the one line is too short to debug a CUDA or NCCL failure. Under torchrun/srun the exit of that rank
-ends the job: no rank waits for it in a hang."""
+ends the job: no rank waits for it in a hang. A DapoError passes untouched: it already says what is wrong, and
+the engine is not at fault when it is a UserCodeError from the sampler's on_finished (a verifier or filter of
+the config's that raised while the engine stepped: rollout/user_functions.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class GuardedEngine:
         try:
             return fn(*args)
         except DapoError:
-            raise  # already says what is wrong (an unknown weight name, a wrong shape)
+            raise  # already says what is wrong (an unknown weight name, a wrong shape, the user's filter)
         except Exception as err:
             log.error("rollout engine '%s' failed in %s; the engine's traceback:", self.name, what, exc_info=err)
             cause = str(err).strip().splitlines()[-1] if str(err).strip() else ""

@@ -44,6 +44,7 @@ from dapo_mcore.rollout.partial import (
     partial_metrics,
     split_stale,
 )
+from dapo_mcore.rollout.user_functions import kept_by, verified
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
@@ -336,7 +337,8 @@ class RolloutSampler:
         samples = [s for g in groups for s in g.samples]
         if not samples:
             return
-        verdicts = self.verify([(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
+        # a verify that raises is named as such, not as the engine it raised inside (partial rollout)
+        verdicts = verified(self.verify, [(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
         for s, verdict in zip(samples, verdicts):
             s.correct, s.timed_out = verdict.correct, verdict.timed_out
         self._apply_rewards(groups)
@@ -395,7 +397,7 @@ class RolloutSampler:
     def _keep_mask(self, groups: list[Group]) -> list[bool]:
         if not self.settings.dynamic_sampling:
             return [True] * len(groups)
-        return [bool(self.keep_filter(g)) for g in groups]
+        return [kept_by(self.keep_filter, g) for g in groups]
 
     def _handle_cap(self, kept: list[Group | GroupSummary], step: int) -> bool:
         """True when the round cap left the batch short (logged), or a DynamicSamplingCapError in strict mode."""

@@ -1,5 +1,6 @@
 """The errors dapo_mcore raises for bad input and for failed engines. The CLI prints them as one clear line, no
-traceback, and exits with the error's `exit_code`: 2 for bad input, ENGINE_EXIT_CODE for an engine failure."""
+traceback, and exits with the error's `exit_code`: 2 for bad input (a user's verifier or filter that raised
+included), ENGINE_EXIT_CODE for an engine failure."""
 
 # Bad input (config, data, layout, checkpoint, preflight): fix the input, then run again.
 BAD_INPUT_EXIT_CODE = 2
@@ -38,6 +39,15 @@ class EngineError(DapoError):
 
     same_on_every_rank = False
     exit_code = ENGINE_EXIT_CODE
+
+
+class UserCodeError(DapoError):
+    """A function the config names (algorithm.reward.verifier, algorithm.dynamic_sampling.filter) raised: the
+    message names the key, the function and the exception. Bad input (exit 2): the function needs fixing, not the
+    engine, even when it raised inside the engine's step loop (partial rollout judges groups there). Raised on the
+    rank whose replica judged the group, chained to the exception, whose traceback is logged there."""
+
+    same_on_every_rank = False
 
 
 class MismatchError(DapoError):

@@ -1,0 +1,66 @@
+"""The sampler's calls into functions the config names: the verifier (algorithm.reward.verifier, through its pool)
+and the dynamic-sampling filter (algorithm.dynamic_sampling.filter).
+
+Such a function may be the user's own code, and under partial rollout the sampler calls it inside the engine's
+step loop (each group is judged as its last answer ends), where rollout/guard.py would report any exception as
+"rollout engine failed" (exit 3). An exception from one of them becomes a UserCodeError naming the config key,
+the function ('module:function') and the exception (exit 2: fix the function); GuardedEngine lets it through as
+every DapoError. Its traceback is logged once, at error level, on the rank it happened on: the line of the
+user's code that raised is what they need to fix it."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dapo_mcore.data.types import Group
+from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.utils.errors import DapoError, UserCodeError
+from dapo_mcore.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+VERIFIER_KEY = "algorithm.reward.verifier"
+FILTER_KEY = "algorithm.dynamic_sampling.filter"
+
+
+def verified(verify: Callable[[list[tuple[str, str]]], list[Verdict]], pairs: list[tuple[str, str]]) -> list[Verdict]:
+    """verify(pairs), or a UserCodeError naming the verifier if it raised. (The pool counts a check that raises
+    as wrong; what reaches here failed around the checks, or is a verify function of the caller's own.)"""
+    try:
+        return verify(pairs)
+    except DapoError:
+        raise  # already says what is wrong (a verifier worker that did not start)
+    except Exception as err:
+        raise _user_code_error(VERIFIER_KEY, verify, err, f"checking {len(pairs)} answers") from err
+
+
+def kept_by(keep_filter: Callable[[Group], bool], group: Group) -> bool:
+    """Whether the filter keeps `group`, or a UserCodeError naming the filter if it raised."""
+    try:
+        return bool(keep_filter(group))
+    except DapoError:
+        raise
+    except Exception as err:
+        raise _user_code_error(FILTER_KEY, keep_filter, err, f"on the group of prompt {group.prompt.uid}") from err
+
+
+def _user_code_error(key: str, fn: Callable[..., Any], err: Exception, where: str) -> UserCodeError:
+    name = function_name(fn)
+    log.error("%s=%s raised %s; its traceback:", key, name, where, exc_info=err)
+    lines = str(err).strip().splitlines()
+    cause = f"{type(err).__name__}: {lines[-1]}" if lines else type(err).__name__
+    return UserCodeError(f"{key}={name} raised {cause} ({where}; its traceback is logged above)")
+
+
+def function_name(fn: Callable[..., Any]) -> str:
+    """The function as the config names it: 'module:function', or the verifier spec behind the sampler's verify
+    (rewards.pool.VerifierPool.verify, wrapped by rollout.agreement.AgreedVerify: the pool's `spec`)."""
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)) and callable(getattr(fn, "verify", None)):
+        return function_name(fn.verify)  # a wrapper around the pool's verify (AgreedVerify)
+    spec = getattr(getattr(fn, "__self__", None), "spec", None)
+    if isinstance(spec, str):
+        return spec
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}:{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"

@@ -1,0 +1,81 @@
+"""A verifier or dynamic-sampling filter of the config's that raises is named as such, with its config key, its
+'module:function' and the exception (UserCodeError, exit 2), also when it raised inside the engine's step loop
+(partial rollout), where it was reported as "rollout engine 'hf' failed" (exit 3); and in a synchronous round,
+where it was a traceback (exit 1)."""
+
+import pytest
+
+from dapo_mcore.data.arithmetic import ArithmeticTask
+from dapo_mcore.data.datasets import PromptStream
+from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.agreement import AgreedVerify, LocalBoard, ReplicaRole
+from dapo_mcore.rollout.guard import GuardedEngine
+from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
+from dapo_mcore.rollout.user_functions import function_name
+from dapo_mcore.utils.errors import BAD_INPUT_EXIT_CODE, UserCodeError
+from dapo_mcore.utils.timers import PhaseTimer
+from tests.helpers import FakeTokenizer, LongTailEngine
+from tests.unit.test_partial_rollout import SETTINGS, heavy_tail
+from tests.verifiers import raise_in_filter
+from tests.warm_cli import cli_env, run_warm
+
+
+def broken_verify(pairs):
+    raise RuntimeError("verdict table\nmissing")
+
+
+def sampler(partial, keep_filter=raise_in_filter, verify=None):
+    settings = SamplerSettings(**{**SETTINGS, "partial_rollout": partial})
+    return RolloutSampler(
+        GuardedEngine("hf", lambda: LongTailEngine(heavy_tail)), FakeTokenizer(),
+        PromptStream(ArithmeticTask(0, 99), seed=0), verify or VerifierPool("dapo", workers=0).verify, settings,
+        rank=0, world_size=1, all_gather=lambda obj: [obj], keep_filter=keep_filter,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial rollout", "synchronous"])
+def test_a_filter_that_raises_is_named_not_the_engine(partial):
+    with pytest.raises(UserCodeError) as err:
+        sampler(partial).next_batch(0, PhaseTimer())
+    message = str(err.value)
+    assert message.startswith(
+        "algorithm.dynamic_sampling.filter=tests.verifiers:raise_in_filter raised ValueError: filter bug: no rule for "
+        "arith-"
+    )
+    assert "on the group of prompt arith-" in message and "engine" not in message
+    assert isinstance(err.value.__cause__, ValueError) and err.value.exit_code == BAD_INPUT_EXIT_CODE == 2
+    assert not err.value.same_on_every_rank  # printed by the rank whose replica judged the group
+
+
+def test_a_verify_that_raises_inside_the_engine_loop_is_named_not_the_engine():
+    with pytest.raises(UserCodeError) as err:
+        sampler(True, keep_filter=lambda group: True, verify=broken_verify).next_batch(0, PhaseTimer())
+    assert str(err.value).startswith(
+        "algorithm.reward.verifier=tests.unit.test_user_functions:broken_verify raised RuntimeError: missing "
+        "(checking 4 answers;"
+    )
+
+
+def test_the_verifier_is_named_by_its_spec_behind_the_pool_and_the_tp_agreement():
+    pool = VerifierPool("tests.verifiers:raise_on_boom", workers=0)
+    assert function_name(pool.verify) == "tests.verifiers:raise_on_boom"
+    assert function_name(AgreedVerify(pool.verify, LocalBoard(), ReplicaRole(0))) == "tests.verifiers:raise_on_boom"
+    assert function_name(raise_in_filter) == "tests.verifiers:raise_in_filter"
+
+
+@pytest.mark.parametrize("partial", ["true", "false"])
+def test_the_run_ends_with_one_line_naming_the_filter_and_exit_2(partial, tmp_path):
+    proc = run_warm(
+        [
+            "train", "examples/smoke_cpu.yaml", "trainer.steps=1", f"rollout.partial_rollout={partial}",
+            "algorithm.dynamic_sampling.filter=tests.verifiers:raise_in_filter", f"logging.run_dir={tmp_path}/run",
+            "logging.wandb.mode=disabled",
+        ],
+        cli_env(),
+        300,
+    )  # fmt: skip
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last.startswith("dapo-mcore: error: algorithm.dynamic_sampling.filter=tests.verifiers:raise_in_filter "
+                           "raised ValueError: filter bug"), last  # fmt: skip
+    assert "rollout engine" not in proc.stderr
