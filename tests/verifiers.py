@@ -95,3 +95,13 @@ def _run_dir_and_step():
     run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("logging.run_dir=")))
     metrics = run_dir / "metrics.jsonl"
     return run_dir, len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def slow_on_rank_1(response: str, reference: str) -> bool:
+    """The DAPO rule, but on rank 1 every check outlasts a short algorithm.reward.timeout_s (counts as wrong), as
+    one node's loaded verifier pool would, while rank 0's pass: two TP ranks of one engine judging alone disagree."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        time.sleep(2.0)
+    return is_correct(response, reference)
