@@ -9,19 +9,24 @@ inside it (the sampler splits prompts over replicas the same way).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dapo_mcore.utils.errors import LayoutError
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class EnginePlacement:
+class ReplicaSplit:
+    """The replica arithmetic every user of the engines shares (sampler, validator): replica `rank // tp_size`
+    of `world_size // tp_size`; items (prompts, groups) dealt round-robin over the replicas; what the ranks
+    gather put back in the items' order, one copy per replica (its TP ranks hold the same)."""
+
     rank: int
-    local_rank: int
     world_size: int
     tp_size: int
-    # The CUDA device of this task's engine shard; None on the CPU.
-    device_index: int | None
 
     @property
     def replica(self) -> int:
@@ -35,6 +40,26 @@ class EnginePlacement:
     def tp_rank(self) -> int:
         """This task's shard of its replica's engine (its rank in the engine's TP group)."""
         return self.rank % self.tp_size
+
+    def mine(self, items: Sequence[T]) -> list[T]:
+        """This replica's share of `items`: every n_replicas-th, from its own index."""
+        return list(items[self.replica :: self.n_replicas])
+
+    def per_replica(self, gathered: Sequence[T]) -> list[T]:
+        """One rank's entry per replica (its first TP rank's) of an all-gather over every rank."""
+        return list(gathered[:: self.tp_size])
+
+    def in_order(self, shares: Sequence[Sequence[T]], count: int) -> list[T]:
+        """The `count` items whose replica shares (`mine`, in replica order) are `shares`, in their order."""
+        n = self.n_replicas
+        return [shares[i % n][i // n] for i in range(count)]
+
+
+@dataclass(frozen=True)
+class EnginePlacement(ReplicaSplit):
+    local_rank: int = 0
+    # The CUDA device of this task's engine shard; None on the CPU.
+    device_index: int | None = None
 
 
 def engine_placement(rank: int, local_rank: int, world_size: int, tp_size: int, device_type: str) -> EnginePlacement:

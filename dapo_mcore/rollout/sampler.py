@@ -44,6 +44,7 @@ from dapo_mcore.rollout.partial import (
     partial_metrics,
     split_stale,
 )
+from dapo_mcore.rollout.placement import ReplicaSplit
 from dapo_mcore.rollout.user_functions import kept_by, verified
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
@@ -139,9 +140,10 @@ class RolloutSampler:
         # The ranks of one engine replica (consecutive, engine_tp_size of them) send the same prompts with the
         # same seeds and get the same answers; prompts are split over replicas, not ranks.
         self.engine_tp_size = engine_tp_size
-        self.replica, self.n_replicas = rank // engine_tp_size, world_size // engine_tp_size
+        self.split = ReplicaSplit(rank, world_size, engine_tp_size)
+        self.replica, self.n_replicas = self.split.replica, self.split.n_replicas
         self.board = board if board is not None else LocalBoard()
-        self.role = ReplicaRole(self.replica, rank % engine_tp_size, engine_tp_size)
+        self.role = ReplicaRole(self.split.replica, self.split.tp_rank, self.split.tp_size)
         self.verify = AgreedVerify(verify, self.board, self.role)  # every TP rank of a replica: its leader's
         self.keep_filter, self.exchange, self.trainers_of = keep_filter, exchange, trainers_of
         self._ranks = ExchangeRanks(rank, engine_tp_size, tuple(dp_rank_of or [0] * world_size))
@@ -221,7 +223,7 @@ class RolloutSampler:
         in prompt order. The replica keeps its groups' tokens until the step's batch is chosen."""
         cfg = self.settings
         prompts = self.prompts.take(n_prompts)  # identical on every rank
-        mine = prompts[self.replica :: self.n_replicas]
+        mine = self.split.mine(prompts)
         params = SamplingParams(
             n=cfg.n_samples_per_prompt,
             temperature=cfg.temperature,
@@ -238,8 +240,7 @@ class RolloutSampler:
         self._local.update((key, g) for key, g, kept in zip(keys, groups, keep) if kept)  # only these may move
         gathered = self.all_gather([summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)])
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
-        n, tp = self.n_replicas, self.engine_tp_size
-        return [gathered[(i % n) * tp][i // n] for i in range(len(prompts))]
+        return self.split.in_order(self.split.per_replica(gathered), len(prompts))
 
     def _generate_partial_round(
         self, step: int, round_idx: int, n_prompts: int, wanted: int, timer: PhaseTimer
@@ -251,7 +252,7 @@ class RolloutSampler:
         cfg = self.settings
         n_new = max(0, math.ceil(n_prompts * cfg.partial_oversample) - len(self.unfinished))
         inputs = self.unfinished + [Group(p) for p in self.prompts.take(n_new)]  # identical on every rank
-        mine = inputs[self.replica :: self.n_replicas]
+        mine = self.split.mine(inputs)
         for group in mine:
             if not group.samples:  # a new prompt
                 group.samples = empty_answers(
@@ -282,9 +283,9 @@ class RolloutSampler:
         gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
         if self.rank == 0:  # every replica has left the round
             control.forget()
-        n, tp = self.n_replicas, self.engine_tp_size
-        self._partial_stats += [stats for _, stats in gathered[::tp]]
-        ordered = [gathered[(i % n) * tp][0][i // n] for i in range(len(inputs))]
+        per_replica = self.split.per_replica(gathered)
+        self._partial_stats += [stats for _, stats in per_replica]
+        ordered = self.split.in_order([summaries for summaries, _ in per_replica], len(inputs))
         with timer.phase("exchange"):
             pending = [g for g in ordered if not g.finished]
             everyone = [[EVERY_RANK] * len(g.samples) for g in pending]  # each rank saves and continues them

@@ -16,6 +16,7 @@ from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
+from dapo_mcore.rollout.placement import ReplicaSplit
 
 # correct[i][j], answers[i][j]: answer j to problem i is right / its normalised final answer
 Checked = tuple[list[list[bool]], list[list[str | None]]]
@@ -122,6 +123,8 @@ class Validator:
         self.files, self.engine, self.encode, self.verify, self.extract = files, engine, encode, verify, extract
         self.settings, self.replica, self.n_replicas = settings, replica, n_replicas
         self.all_gather, self.engine_tp_size = all_gather, engine_tp_size
+        # the replica's first rank stands for it: the arithmetic is the replica's (rollout/placement.py)
+        self.split = ReplicaSplit(replica * engine_tp_size, n_replicas * engine_tp_size, engine_tp_size)
 
     def run(self) -> dict[str, float]:
         metrics = {}
@@ -132,13 +135,11 @@ class Validator:
         return metrics
 
     def _checked_in_order(self, prompts: list[Prompt]) -> Checked:
-        n, k = self.n_replicas, self.settings.k
-        mine = prompts[self.replica :: n]
+        split = self.split
         # Seeds as `dapo-mcore eval` uses them with one replica; each replica's stream starts past the others'.
-        settings = replace(self.settings, seed=self.settings.seed + self.replica * len(prompts) * k)
-        checked = answer_and_check(self.engine, self.encode, mine, self.verify, self.extract, settings)
-        per_replica = self.all_gather(checked)[:: self.engine_tp_size]  # one copy per replica
-        order = range(len(prompts))  # undo the round-robin split
-        correct = [per_replica[i % n][0][i // n] for i in order]
-        answers = [per_replica[i % n][1][i // n] for i in order]
+        settings = replace(self.settings, seed=self.settings.seed + self.replica * len(prompts) * self.settings.k)
+        checked = answer_and_check(self.engine, self.encode, split.mine(prompts), self.verify, self.extract, settings)
+        per_replica = split.per_replica(self.all_gather(checked))
+        correct = split.in_order([c for c, _ in per_replica], len(prompts))  # the round-robin split undone
+        answers = split.in_order([a for _, a in per_replica], len(prompts))
         return correct, answers

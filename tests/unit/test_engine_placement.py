@@ -85,3 +85,15 @@ def test_a_standalone_engine_has_no_placement():
 def test_an_engine_tp_that_does_not_divide_the_world_is_one_line():
     with pytest.raises(LayoutError, match="rollout.engine_tp_size=3 does not divide the world size 8"):
         engine_placement(0, 0, 8, 3, "cuda")
+
+
+def test_the_replica_split_deals_items_round_robin_and_puts_the_gathered_shares_back_in_order():
+    """The arithmetic the sampler (twice) and the validator wrote out each on their own."""
+    from dapo_mcore.rollout.placement import ReplicaSplit
+
+    items = list(range(7))
+    ranks = [ReplicaSplit(rank, world_size=6, tp_size=2) for rank in range(6)]  # 3 replicas of 2 TP ranks
+    gathered = [split.mine(items) for split in ranks]  # an all-gather over every rank: each TP rank's copy
+    assert gathered[0] == gathered[1] == [0, 3, 6] and gathered[4] == [2, 5]
+    assert all(split.in_order(split.per_replica(gathered), len(items)) == items for split in ranks)
+    assert [(s.replica, s.tp_rank) for s in ranks[2:4]] == [(1, 0), (1, 1)]
