@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from dapo_mcore.data.tokenizer import build_char_tokenizer
-from dapo_mcore.data.types import Sample
+from dapo_mcore.data.types import Group, Sample, group_to_dict
 
 VOCAB = 100  # the shipped char tokenizer's size
 
@@ -98,6 +98,16 @@ def random_samples(n: int, seed: int = 0, max_prompt: int = 9, max_response: int
             )
         )
     return samples
+
+
+def group_as_lists(group: Group) -> dict:
+    """A group as saved (group_to_dict), its tensors as lists: comparable with == (a tensor's == is per element)."""
+    saved = group_to_dict(group)
+    return {**saved, "samples": [_tensors_as_lists(s) for s in saved["samples"]]}
+
+
+def _tensors_as_lists(values: dict) -> dict:
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
 # ---- a scripted rollout engine and test verifiers --------------------------------------------------------

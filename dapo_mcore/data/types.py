@@ -3,7 +3,8 @@
 A sample's token ids and log-probs are 1-D int32 / float32 tensors from the engine adapter on (rollout/guard.py
 converts what an engine returns), views of one flat tensor once the step's batch has moved between ranks
 (rollout/exchange.py), and NotHere (their count only) on a rank that does not train the sample; code that
-builds samples by hand may pass lists, and whatever reads them takes either. Checkpoints store plain lists.
+builds samples by hand may pass lists, and whatever reads them takes either. Checkpoints store them as tensors
+(group_to_dict).
 """
 
 from __future__ import annotations
@@ -147,18 +148,50 @@ def accuracy(samples) -> float:
     return sum(s.correct for s in samples) / max(len(samples), 1)
 
 
+# The per-token fields of a sample and the tensor a save holds each as: a checkpoint holds no per-token Python
+# lists (500 groups x 16 answers x 8k tokens as lists are about 5 GB of objects on every rank). Saves written
+# before held lists; loading converts either.
+_PER_TOKEN_FIELDS = {
+    "prompt_ids": token_tensor,
+    "response_ids": token_tensor,
+    "rollout_logprobs": value_tensor,
+    "old_logprobs": value_tensor,
+    "ref_logprobs": value_tensor,
+    "routed_experts": routing_tensor,
+}
+
+
 def group_to_dict(group: Group) -> dict:
-    """Plain dicts and lists (what checkpoints store: torch.load reads them without unpickling classes; a tensor
-    view would also store the whole step's buffer it views)."""
-    samples = [{f.name: _plain(getattr(s, f.name)) for f in fields(s)} for s in group.samples]
+    """Plain dicts, numbers and CPU tensors (what checkpoints store: torch.load reads them with weights_only,
+    without unpickling classes)."""
+    samples = [{f.name: _saved(f.name, getattr(s, f.name)) for f in fields(s)} for s in group.samples]
     return {"prompt": asdict(group.prompt), "samples": samples}
 
 
-def _plain(value):
-    if isinstance(value, torch.Tensor) and value.dim() > 1:  # routed experts: a tensor of its own (compact)
-        return value.clone()
-    return value.tolist() if isinstance(value, torch.Tensor) else value
+def _saved(name: str, value):
+    to_tensor = _PER_TOKEN_FIELDS.get(name)
+    if to_tensor is None or value is None:
+        return value
+    if isinstance(value, NotHere):
+        raise LookupError(f"cannot save a sample's {name}: {value!r} (another data-parallel rank holds them)")
+    return _own_storage(to_tensor(value).cpu())
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it owns all of its storage, else a copy: torch.save writes a view's whole storage (a
+    sample received in the step's exchange views the one flat buffer of every sample)."""
+    whole = t.is_contiguous() and t.storage_offset() == 0
+    if whole and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
 
 
 def group_from_dict(state: dict) -> Group:
-    return Group(Prompt(**state["prompt"]), [Sample(**s) for s in state["samples"]])
+    """A group saved by group_to_dict, its per-token fields as tensors (from tensors or, in older saves, lists)."""
+    samples = [Sample(**{k: _loaded(k, v) for k, v in s.items()}) for s in state["samples"]]
+    return Group(Prompt(**state["prompt"]), samples)
+
+
+def _loaded(name: str, value):
+    to_tensor = _PER_TOKEN_FIELDS.get(name)
+    return value if to_tensor is None or value is None else to_tensor(value)

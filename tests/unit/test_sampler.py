@@ -8,12 +8,11 @@ import torch
 
 from dapo_mcore.data.arithmetic import ArithmeticTask
 from dapo_mcore.data.datasets import PromptStream
-from dapo_mcore.data.types import group_to_dict
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.agreement import LocalBoard
 from dapo_mcore.rollout.sampler import DynamicSamplingCapError, RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
-from tests.helpers import FakeTokenizer, ScriptedEngine
+from tests.helpers import FakeTokenizer, ScriptedEngine, group_as_lists
 from tests.verifiers import keep_even_sums
 
 BASE = dict(
@@ -168,7 +167,7 @@ def test_sampler_state_round_trips():
     t.load_state_dict(state)
     a, b = s.next_batch(1, PhaseTimer()), t.next_batch(1, PhaseTimer())
     assert [g.prompt.uid for g in a.groups] == [g.prompt.uid for g in b.groups]
-    assert [group_to_dict(g) for g in t.carry] == [group_to_dict(g) for g in s.carry]
+    assert [group_as_lists(g) for g in t.carry] == [group_as_lists(g) for g in s.carry]
     assert t.keep_rate.rate == s.keep_rate.rate
 
 
