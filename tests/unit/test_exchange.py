@@ -17,6 +17,7 @@ from dapo_mcore.data.batching import DataParallelSplit
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import NO_EXPERT, Group, NotHere, Prompt, Sample, group_to_dict
 from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.agreement import LocalBoard
 from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, fetch_groups, summarize
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
@@ -59,10 +60,12 @@ def correct_for_even_first_operand(text, j):
     return a % 2 == 0 and j == 0  # groups with an odd first operand are all wrong: dropped
 
 
-def make_sampler(rank, world_size, world: ThreadWorld | None, engine_tp_size=1, response_len=5, dp=None, **over):
+def make_sampler(
+    rank, world_size, world: ThreadWorld | None, engine_tp_size=1, response_len=5, dp=None, board=None, **over
+):
     """Rank `rank`'s sampler; `dp`: the actor's data-parallel size (ranks rank // (world / dp) share a DP rank),
-    None: every rank takes every sample."""
-    kwargs = {}
+    None: every rank takes every sample; `board`: the one the thread-ranks share, as ranks share the store."""
+    kwargs = {} if board is None else {"board": board}
     if world is not None:
         kwargs["exchange"] = lambda send, sizes, recv: world.all_to_all(rank, send, sizes, recv)
     if dp is not None:
@@ -85,9 +88,10 @@ def make_sampler(rank, world_size, world: ThreadWorld | None, engine_tp_size=1, 
 
 def run_steps(world_size, engine_tp_size=1, steps=2, response_len=5, dp=None, **overrides):
     """Every rank's batches of `steps` steps, the world that carried them and the samplers."""
-    world = ThreadWorld(world_size)
+    world, board = ThreadWorld(world_size), LocalBoard(wait_s=60)
     samplers = [
-        make_sampler(r, world_size, world, engine_tp_size, response_len, dp, **overrides) for r in range(world_size)
+        make_sampler(r, world_size, world, engine_tp_size, response_len, dp, board, **overrides)
+        for r in range(world_size)
     ]
     batches, errors = [[] for _ in samplers], []
 
