@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
-from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.config.schema import AlgorithmConfig, RolloutConfig
 from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
@@ -45,7 +43,7 @@ from dapo_mcore.rollout.partial import (
     split_stale,
 )
 from dapo_mcore.rollout.placement import ReplicaSplit
-from dapo_mcore.rollout.user_functions import kept_by, verified
+from dapo_mcore.rollout.scoring import GroupScoring
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
@@ -144,8 +142,9 @@ class RolloutSampler:
         self.replica, self.n_replicas = self.split.replica, self.split.n_replicas
         self.board = board if board is not None else LocalBoard()
         self.role = ReplicaRole(self.split.replica, self.split.tp_rank, self.split.tp_size)
-        self.verify = AgreedVerify(verify, self.board, self.role)  # every TP rank of a replica: its leader's
-        self.keep_filter, self.exchange, self.trainers_of = keep_filter, exchange, trainers_of
+        # every TP rank of a replica takes its leader's verdicts
+        self.scoring = GroupScoring(settings, AgreedVerify(verify, self.board, self.role), keep_filter)
+        self.exchange, self.trainers_of = exchange, trainers_of
         self._ranks = ExchangeRanks(rank, engine_tp_size, tuple(dp_rank_of or [0] * world_size))
         self.carry: list[Group] = []
         # Partial rollout: groups with unfinished answers, the same on every rank, continued first next round.
@@ -181,7 +180,7 @@ class RolloutSampler:
         with timer.phase("exchange"):
             groups = self._fetch(chosen, carried)
         batch_groups, self.carry = groups[: len(chosen)], groups[len(chosen) :]
-        self._assign_advantages(batch_groups)
+        self.scoring.assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
         metrics["dynamic_sampling/dropped_surplus_groups"] = float(len(surplus) - len(self.carry))
         metrics.update(_policy_lag_metrics(batch_groups, step))
@@ -234,9 +233,9 @@ class RolloutSampler:
         with timer.phase("generate"):
             groups = self._generate(mine, params, step)
         with timer.phase("reward"):
-            self._score(groups)
+            self.scoring.score(groups)
         keys = [(round_idx, i) for i in range(len(groups))]
-        keep = self._keep_mask(groups)
+        keep = self.scoring.keep_mask(groups)
         self._local.update((key, g) for key, g, kept in zip(keys, groups, keep) if kept)  # only these may move
         gathered = self.all_gather([summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)])
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
@@ -261,7 +260,7 @@ class RolloutSampler:
         requests, slots = answer_requests(
             mine, cfg.max_response_len, derive_seed(cfg.seed, step, round_idx, self.replica)
         )
-        stopper = QuotaStopper(mine, slots, wanted, self._judge, version=step)
+        stopper = QuotaStopper(mine, slots, wanted, self.scoring.judge, version=step)
         # stops once `wanted` groups are kept over every replica (rollout/agreement.py)
         control = RoundControl(stopper, self.board, self.role, f"round/{step}/{round_idx}", wanted)
         params = SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p)
@@ -273,9 +272,10 @@ class RolloutSampler:
             groups[slot.group].samples[slot.sample] = extend_answer(sample, completion, step)
         with timer.phase("reward"):
             whole = [i for i, g in enumerate(groups) if all(s.finished for s in g.samples)]
-            self._score_partial([groups[i] for i in whole], [stopper.judged.get(i) for i in whole])
+            self.scoring.score_partial([groups[i] for i in whole], [stopper.judged.get(i) for i in whole])
         unjudged = [i for i in whole if i not in stopper.judged]  # ended in the step that stopped the round
-        keep = stopper.kept | {i for i, kept in zip(unjudged, self._keep_mask([groups[i] for i in unjudged])) if kept}
+        late_keep = self.scoring.keep_mask([groups[i] for i in unjudged])
+        keep = stopper.kept | {i for i, kept in zip(unjudged, late_keep) if kept}
         keys = [(round_idx, i) for i in range(len(groups))]
         unfinished = set(range(len(groups))) - set(whole)
         self._local.update((keys[i], groups[i]) for i in keep | unfinished)  # only these may move
@@ -294,20 +294,6 @@ class RolloutSampler:
             if g.owner == self.replica:
                 del self._local[g.key]
         return [g for g in ordered if g.finished]
-
-    def _judge(self, group: Group) -> bool:
-        """Score a group whose answers have all ended and say whether the filter keeps it (QuotaStopper)."""
-        self._score([group])
-        return self._keep_mask([group])[0]
-
-    def _score_partial(self, groups: list[Group], judged: list[Group | None]) -> None:
-        """Score whole groups; those judged while the round ran take the verdicts they got then."""
-        for group, earlier in zip(groups, judged):
-            if earlier is not None:
-                for sample, scored in zip(group.samples, earlier.samples):
-                    sample.correct, sample.timed_out = scored.correct, scored.timed_out
-        self._score([g for g, earlier in zip(groups, judged) if earlier is None])
-        self._apply_rewards([g for g, earlier in zip(groups, judged) if earlier is not None])
 
     def _generate(self, prompts: list[Prompt], params: SamplingParams, step: int) -> list[Group]:
         if not prompts:
@@ -334,44 +320,6 @@ class RolloutSampler:
             for p, ids, completions in zip(prompts, map(token_tensor, prompt_ids), outputs)
         ]
 
-    def _score(self, groups: list[Group]) -> None:
-        samples = [s for g in groups for s in g.samples]
-        if not samples:
-            return
-        # a verify that raises is named as such, not as the engine it raised inside (partial rollout)
-        verdicts = verified(self.verify, [(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
-        for s, verdict in zip(samples, verdicts):
-            s.correct, s.timed_out = verdict.correct, verdict.timed_out
-        self._apply_rewards(groups)
-
-    def _apply_rewards(self, groups: list[Group]) -> None:
-        """Length penalties, rewards and overlong filtering, from the verdicts already on the samples."""
-        samples = [s for g in groups for s in g.samples]
-        if not samples:
-            return
-        penalty_B = self._length_penalty(torch.tensor([len(s.response_ids) for s in samples]))
-        trainable_B = torch.ones(len(samples))
-        if self.settings.overlong_filter:
-            trainable_B = overlong_filter_mask(torch.tensor([s.truncated for s in samples]))
-        cfg = self.settings
-        for s, penalty, trainable in zip(samples, penalty_B.tolist(), trainable_B.tolist()):
-            s.length_penalty = penalty
-            s.reward = (cfg.reward_correct if s.correct else cfg.reward_wrong) + penalty
-            s.trainable = bool(trainable)
-
-    def _length_penalty(self, lengths_B: torch.Tensor) -> torch.Tensor:
-        cfg = self.settings
-        penalty_B = torch.zeros(lengths_B.shape)
-        if cfg.overlong_enabled:
-            penalty_B += soft_overlong_penalty(
-                lengths_B, cfg.max_response_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
-            )
-        if cfg.length_penalty:
-            penalty_B += linear_length_penalty(
-                lengths_B, cfg.length_penalty_safe_len, cfg.length_penalty_max_len, cfg.length_penalty_coef
-            )
-        return penalty_B
-
     def _fetch(self, chosen: list[Group | GroupSummary], carried: list[Group | GroupSummary]) -> list[Group]:
         """The step's batch (`chosen`) and the groups carried to the next step as groups (those carried from the
         previous step already are): the tokens of the summarised ones come from the replicas that generated
@@ -395,11 +343,6 @@ class RolloutSampler:
         flat = iter(self.trainers_of([n for group in lengths for n in group]))
         return [[next(flat) for _ in group] for group in lengths]
 
-    def _keep_mask(self, groups: list[Group]) -> list[bool]:
-        if not self.settings.dynamic_sampling:
-            return [True] * len(groups)
-        return [kept_by(self.keep_filter, g) for g in groups]
-
     def _handle_cap(self, kept: list[Group | GroupSummary], step: int) -> bool:
         """True when the round cap left the batch short (logged), or a DynamicSamplingCapError in strict mode."""
         cfg = self.settings
@@ -415,17 +358,6 @@ class RolloutSampler:
             message + ("; training on the kept groups" if kept else "; no group to train on, the step makes no update")
         )
         return True
-
-    def _assign_advantages(self, groups: list[Group]) -> None:
-        samples = [s for g in groups for s in g.samples]
-        if not samples:
-            return
-        cfg = self.settings
-        rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        group_B = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.samples])
-        advantages_B = group_advantages(rewards_B, group_B, cfg.adv_eps, cfg.adv_estimator, cfg.adv_batch_normalize)
-        for s, adv in zip(samples, advantages_B.tolist()):
-            s.advantage = adv
 
     def state_dict(self) -> dict[str, Any]:
         return {
