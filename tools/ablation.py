@@ -154,7 +154,7 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
         steps = min(len(r["accuracy"]) for r in runs)
         for ax, key in zip(axes, ("accuracy", "length")):
             mean = [statistics.mean(r[key][i] for r in runs) for i in range(steps)]
-            ax.plot(range(steps), mean, label=variant, linewidth=width)
+            ax.plot(range(1, steps + 1), mean, label=variant, linewidth=width)  # step N: N updates done
         generated = [statistics.mean(r["generated"][i] for r in runs) for i in range(steps)]
         accuracy = [statistics.mean(r["accuracy"][i] for r in runs) for i in range(steps)]
         axes[2].plot(generated, accuracy, label=variant, linewidth=width)
