@@ -30,6 +30,7 @@ from dapo_mcore.parallel import check_layout
 from dapo_mcore.plan import default_gpus, plan_memory
 from dapo_mcore.rollout.registry import engine_problem
 from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.logging import quiet_save_reading
 
 
 @dataclass
@@ -153,7 +154,8 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec) -> None:
         report.problems.append(problem)
         return
     if save is not None:
-        state = read_run_state(save, spec)
+        with quiet_save_reading():  # reading its common state imports Megatron-Core
+            state = read_run_state(save, spec)
         check_config_changes(cfg, Resume(save, state))  # resume=auto refuses another experiment
         report.facts.append(f"resumes {save} at step {state['step']} of {cfg.trainer.steps}")
     elif (run_dir / "metrics.jsonl").exists():

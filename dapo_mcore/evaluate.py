@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,6 +30,7 @@ from dapo_mcore.rollout.base import EngineSettings
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.validation import AnsweredProblem, EvalSettings, answer_and_check
 from dapo_mcore.utils.errors import ConfigError
+from dapo_mcore.utils.logging import quiet_save_reading
 
 
 def run_eval(
@@ -68,22 +68,10 @@ def run_eval(
     return results
 
 
-# What converting a save raises that says nothing about the model: Megatron-Core's notes that Transformer Engine
-# and Apex are missing (the conversion runs on the CPU, without them by design; they warn on import) and
-# deprecations inside its checkpoint loader.
-_CONVERSION_WARNINGS = (
-    (UserWarning, r"(Transformer Engine and Apex|Apex) (are|is) not installed"),
-    (FutureWarning, r"`load_state_dict` is deprecated"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
-)
-
-
 def converted_to_hf(ckpt: Path, out_dir: Path) -> Path:
     """A Megatron-Core checkpoint or run save written as an HF directory `out_dir` for the engine."""
     print(f"converting {ckpt} to an HF directory for the engine", flush=True)
-    with warnings.catch_warnings():
-        for category, message in _CONVERSION_WARNINGS:
-            warnings.filterwarnings("ignore", message=message, category=category)
+    with quiet_save_reading():
         from dapo_mcore.checkpoint.conversion import mcore_to_hf
         from dapo_mcore.parallel import destroy_parallel
 

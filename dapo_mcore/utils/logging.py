@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import warnings
+from collections.abc import Iterator
 
 _ROOT = "dapo_mcore"
 
@@ -21,3 +24,22 @@ def setup_logging(rank: int = 0, level: str = "INFO") -> None:
 
 def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+# What reading a Megatron-Core save raises that says nothing about it: Megatron's notes that Transformer Engine and
+# Apex are missing (conversion and checks run on the CPU, without them by design; they warn on import) and
+# deprecations inside its checkpoint loader.
+_SAVE_READING_WARNINGS = (
+    (UserWarning, r"(Transformer Engine and Apex|Apex) (are|is) not installed"),
+    (FutureWarning, r"`load_state_dict` is deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+@contextlib.contextmanager
+def quiet_save_reading() -> Iterator[None]:
+    """Around code that imports Megatron-Core to read a save off the training path (eval's conversion, check)."""
+    with warnings.catch_warnings():
+        for category, message in _SAVE_READING_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
