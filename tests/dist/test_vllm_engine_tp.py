@@ -29,21 +29,7 @@ def test_engine_tp2_after_a_push_decodes_as_the_whole_model(tmp_path):
 
 
 def test_training_with_engine_tp2_splits_prompts_over_replicas_and_completes(tmp_path):
-    run_dir = tmp_path / "run"
-    run_torchrun(
-        REPO / "dapo_mcore/cli.py",
-        2,
-        "train",
-        str(REPO / "examples/smoke_cpu.yaml"),
-        "rollout.engine=vllm",
-        "rollout.engine_tp_size=2",
-        "trainer.steps=2",
-        "checkpoint.save_interval=0",
-        "logging.wandb.mode=disabled",
-        "logging.progress=false",
-        f"logging.run_dir={run_dir}",
-    )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_at_engine_tp2(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     # Both ranks of the engine group sent the same prompts (else the SPMD engine hangs or mixes them up), and
     # its answers' log-probs are the actor's.
@@ -55,7 +41,23 @@ def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_veri
     round at its own count of kept groups: the rank that left vLLM's step loop left its peer waiting in the
     engine's TP all-reduce (a hang, here until the process group's timeout). Now rank 1 takes rank 0's verdicts
     and stop decisions (rollout/agreement.py): the run trains its steps with the same batch on both ranks."""
-    run_dir = tmp_path / "run"
+    rows = train_at_engine_tp2(
+        tmp_path / "run",
+        "rollout.partial_rollout=true",
+        "rollout.gen_prompts_per_round=8",
+        "algorithm.reward.verifier=tests.verifiers:slow_on_rank_1",
+        "algorithm.reward.timeout_s=0.5",
+        "parallel.timeout_minutes=3",
+        "parallel.generation_timeout_minutes=3",
+        timeout=400,
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward/timeouts"] == 0 for r in rows)  # rank 0's verdicts: none timed out
+    assert all(r["rollout/accuracy"] > 0 and r["dynamic_sampling/kept_groups"] > 0 for r in rows)
+
+
+def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[dict]:
+    """A 2-step demo run on two processes, one vLLM engine at TP 2 across them; its metrics rows."""
     run_torchrun(
         REPO / "dapo_mcore/cli.py",
         2,
@@ -63,20 +65,12 @@ def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_veri
         str(REPO / "examples/smoke_cpu.yaml"),
         "rollout.engine=vllm",
         "rollout.engine_tp_size=2",
-        "rollout.partial_rollout=true",
-        "rollout.gen_prompts_per_round=8",
-        "algorithm.reward.verifier=tests.verifiers:slow_on_rank_1",
-        "algorithm.reward.timeout_s=0.5",
         "trainer.steps=2",
         "checkpoint.save_interval=0",
         "logging.wandb.mode=disabled",
         "logging.progress=false",
         f"logging.run_dir={run_dir}",
-        "parallel.timeout_minutes=3",
-        "parallel.generation_timeout_minutes=3",
-        timeout=400,
+        *overrides,
+        timeout=timeout,
     )
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["reward/timeouts"] == 0 for r in rows)  # rank 0's verdicts: none timed out
-    assert all(r["rollout/accuracy"] > 0 and r["dynamic_sampling/kept_groups"] > 0 for r in rows)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
