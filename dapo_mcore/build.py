@@ -158,12 +158,21 @@ def build_run(cfg: RunConfig) -> Run:
 def preflight(cfg: RunConfig, ctx: ParallelContext, save_bytes: int, path_problems_here: list[str]) -> None:
     """Before any model allocation: every rank's path problems, room for a save, an all-reduce across every
     rank (collective; the same error on every rank)."""
-    raise_shared(path_problems_here)
+    hosts = raise_shared(path_problems_here)
     room = None
     if cfg.checkpoint.save_interval > 0:  # (a save on a signal alone is not promised room: it may not come)
         room = room_problem(checkpoint_dir_of(cfg), save_bytes)
     raise_shared([room] if room else [])
-    log.info("preflight passed: %s", check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
+    where = f"{_count(ctx.world_size, 'rank')} on {_count(len(hosts), 'host')} ({_hosts_listed(hosts)})"
+    log.info("preflight passed on %s: %s", where, check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+def _hosts_listed(hosts: list[str]) -> str:
+    return ", ".join(hosts) if len(hosts) <= 4 else f"{', '.join(hosts[:3])}, ... {hosts[-1]}"
 
 
 def take_run_lock(run_dir: Path, ctx: ParallelContext, stale_after_s: float) -> RunLock | None:

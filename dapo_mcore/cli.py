@@ -24,7 +24,7 @@ from dapo_mcore.utils.errors import DapoError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_mcore.launch import RESUME_EXIT_CODE, StoppedToResume, install_stop_handlers
+    from dapo_mcore.launch import RESUME_EXIT_CODE, StoppedToResume, claim_first_error, install_stop_handlers
     from dapo_mcore.utils.processes import Terminated, end_children
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except DapoError as err:
-        if os.environ.get("WORLD_SIZE", "1") == "1" or rank == "0":
+        first = claim_first_error(err.exit_code, str(err)) if as_command else None
+        if first if first is not None else os.environ.get("WORLD_SIZE", "1") == "1" or rank == "0":
             print(f"dapo-mcore: error: {err}", file=sys.stderr)
         elif not err.same_on_every_rank:
             print(f"dapo-mcore: error (rank {rank}): {err}", file=sys.stderr)

@@ -61,6 +61,7 @@ STOP_FILE_ENV = "DAPO_STOP_FILE"
 AT_ONCE = " at once"  # appended to a signal's name: a stop whose Terminated was dropped (module doc)
 RESUME_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the run saved and stopped early; run it again to continue
 SAVED_STOP_SUFFIX = ".saved"
+ERROR_SUFFIX = ".error"  # beside the stop file: the first error of the attempt (claim_first_error)
 SLURM_WARNING = "Slurm's time-limit warning"  # the stop file slurm/train.sbatch creates on SIGUSR1
 TIME_LIMIT_REASON = "the job's time limit"  # the run's own stop: a step and a save would end after the job
 END_TIME_REFRESH_S = 600.0  # `scontrol update TimeLimit=` moves the end: read it again this often
@@ -166,6 +167,28 @@ def mark_saved_stop(stop: StoppedToResume) -> Path | None:
     marker = Path(stop_file + SAVED_STOP_SUFFIX)
     marker.write_text(f"{stop}\n")
     return marker
+
+
+def claim_first_error(exit_code: int, message: str) -> bool | None:
+    """The first task of a batch-script attempt to end on an error claims DAPO_STOP_FILE + ".error" (created
+    exclusively: its exit code, rank and host, then the message) and prints the error; True for that task,
+    False for the others, None outside the script. Without it the message of an error every rank meets (a
+    preflight problem) was printed by rank 0 alone, which `srun --kill-on-bad-exit` may end before it prints
+    when another task exits first, and the job reported srun's 143 for the tasks it ended, not the error's code
+    (a two-node test met both)."""
+    stop_file = os.environ.get(STOP_FILE_ENV)
+    if not stop_file:
+        return None
+    record = f"{exit_code} {os.environ.get('RANK', '0')} {socket.gethostname()}\n{message}\n"
+    try:
+        fd = os.open(stop_file + ERROR_SUFFIX, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return None  # the log directory is not writable: print as without the script
+    with os.fdopen(fd, "w") as fh:
+        fh.write(record)
+    return True
 
 
 def cancel_grace() -> None:
@@ -382,13 +405,16 @@ def room_problem(checkpoint_dir: Path, save_bytes: int) -> str | None:
     )
 
 
-def raise_shared(problems: list[str]) -> None:
+def raise_shared(problems: list[str]) -> list[str]:
     """Collective: every rank raises PreflightError listing the problems of all ranks (with their hosts), or
-    none does. Rank 0 prints it; a node-local problem names the ranks that have it."""
+    none does. Rank 0 prints it; a node-local problem names the ranks that have it. Returns the hosts that
+    checked (every rank's, once each)."""
     from dapo_mcore.parallel import all_gather_objects
 
     seen: dict[str, list[tuple[int, str]]] = {}  # problem -> the ranks (and their hosts) that have it
+    hosts: dict[str, None] = {}
     for rank, (host, lines) in enumerate(all_gather_objects((socket.gethostname(), problems))):
+        hosts[host] = None
         for line in lines:
             seen.setdefault(line, []).append((rank, host))
     if seen:
@@ -397,6 +423,7 @@ def raise_shared(problems: list[str]) -> None:
         )
         err.same_on_every_rank = True
         raise err
+    return list(hosts)
 
 
 def check_all_reduce(device: Any, timeout_s: float) -> str:

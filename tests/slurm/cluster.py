@@ -1,4 +1,6 @@
-"""A private one-node Slurm cluster (munged + slurmctld + slurmd on localhost) for the slurm test tier."""
+"""A private Slurm cluster for the slurm test tier: munged + slurmctld + slurmd on localhost (one node), or, with
+`nodes=N`, N nodes on this machine, each a network namespace with its own address, hostname and slurmd
+(tests/slurm/netns.py), all seeing this machine's file system as a cluster's nodes see their shared storage."""
 
 # How this Slurm (Debian 12 slurm-wlm 22.05.8, 2 cores) behaves, measured with throwaway batch scripts on the
 # configuration below (KillWait=30, OverTimeLimit=0) unless a line says otherwise:
@@ -48,6 +50,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests.slurm.netns import CONTROLLER, NetworkUnavailable, NodeNetwork
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
@@ -147,7 +151,13 @@ def seconds(duration: str) -> int:
 class SlurmCluster:
     """munged, slurmctld and slurmd on this machine with a private slurm.conf, state, logs, key and ports.
 
-    Every client call must use `env` (it sets SLURM_CONF and drops any SLURM_* of an enclosing job).
+    Every client call must use `env` (it sets SLURM_CONF and drops any SLURM_* of an enclosing job) and, on a
+    multi-node cluster, run in the controller's network (`client`): `run` and `submit` do both.
+
+    nodes=0: one node, `localhost`. nodes=N: node1..nodeN, each in its own namespaces with its own slurmd;
+    slurmctld runs in the controller's namespace (hostname `ctl`), munged on this machine (its socket is a file).
+    `read_only_on` maps a node to paths that are read-only on that node alone; `slurmd_timeout` is the seconds
+    slurmctld waits for a silent node before it marks it DOWN (and fails and re-queues its jobs).
     """
 
     def __init__(
@@ -160,6 +170,9 @@ class SlurmCluster:
         min_job_age: int = 86400,
         extra_conf: str = "",
         start_timeout: float = 60.0,
+        nodes: int = 0,
+        read_only_on: dict[str, list[Path]] | None = None,
+        slurmd_timeout: int = 300,
     ):
         self.cpus = cpus or max(2, os.cpu_count() or 1)
         self.kill_wait = kill_wait
@@ -171,6 +184,10 @@ class SlurmCluster:
         self.min_job_age = min_job_age
         self.extra_conf = extra_conf
         self.start_timeout = start_timeout
+        self.network = NodeNetwork(nodes) if nodes else None
+        self.nodes = self.network.nodes if self.network else [NODE]
+        self.read_only_on = read_only_on or {}
+        self.slurmd_timeout = slurmd_timeout
         self.root: Path | None = None
         self.conf: Path | None = None
         self.env: dict[str, str] = {}
@@ -242,6 +259,11 @@ class SlurmCluster:
         self._started = True
         atexit.register(self.stop)
         try:
+            if self.network is not None:
+                try:
+                    self.network.create(self.root / "hosts")
+                except NetworkUnavailable as exc:
+                    raise SlurmUnavailable(f"no network namespaces for {len(self.nodes)} nodes: {exc}") from None
             self._write_files()
             self._start_daemons()
             self._wait_idle()
@@ -265,14 +287,17 @@ class SlurmCluster:
         key.chmod(0o600)
         (root / "plugstack.conf").write_text("")
         self.conf = root / "slurm.conf"
-        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
-        while self.slurmd_port == self.ctld_port:
-            self.slurmd_port = _free_port()
+        if self.network is None:
+            self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+            while self.slurmd_port == self.ctld_port:
+                self.slurmd_port = _free_port()
+        else:  # namespaces of its own: Slurm's standard ports are free there
+            self.ctld_port, self.slurmd_port = 6817, 6818
         self.conf.write_text(
             "\n".join(
                 [
                     "ClusterName=dapotest",
-                    f"SlurmctldHost={NODE}",
+                    f"SlurmctldHost={self._controller()}",
                     f"SlurmctldPort={self.ctld_port}",
                     f"SlurmdPort={self.slurmd_port}",
                     "SlurmUser=root",
@@ -281,11 +306,11 @@ class SlurmCluster:
                     "CredType=cred/munge",
                     f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire}",
                     f"StateSaveLocation={root / 'state'}",
-                    f"SlurmdSpoolDir={root / 'spool'}",
+                    f"SlurmdSpoolDir={root / 'spool' / '%n'}",
                     f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={root / 'slurmd.pid'}",
+                    f"SlurmdPidFile={root / 'slurmd-%n.pid'}",
                     f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-                    f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                    f"SlurmdLogFile={root / 'log' / 'slurmd-%n.log'}",
                     "SlurmctldDebug=info",
                     "SlurmdDebug=info",
                     f"PlugStackConfig={root / 'plugstack.conf'}",
@@ -308,16 +333,39 @@ class SlurmCluster:
                     "OverTimeLimit=0",
                     f"SchedulerParameters={self.scheduler_parameters}",
                     "InactiveLimit=0",
+                    f"SlurmdTimeout={self.slurmd_timeout}",
                     self.extra_conf,
-                    f"NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={NODE} CPUs={self.cpus} RealMemory=1000 "
-                    "State=UNKNOWN",
-                    f"PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP",
+                    *(
+                        f"NodeName={node} NodeAddr={self._address(node)} NodeHostname={node} CPUs={self.cpus} "
+                        "RealMemory=1000 State=UNKNOWN"
+                        for node in self.nodes
+                    ),  # fmt: skip
+                    f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
             )
         )
         base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         self.env = {**base, "SLURM_CONF": str(self.conf), MARKER: str(self.root)}
+        for node in self.nodes:
+            (root / "spool" / node).mkdir()
+
+    def _controller(self) -> str:
+        """SlurmctldHost: slurmctld accepts only its own host's name (with the address to reach it)."""
+        return NODE if self.network is None else f"{CONTROLLER}({self.network.address(CONTROLLER)})"
+
+    def _address(self, node: str) -> str:
+        return "127.0.0.1" if self.network is None else self.network.address(node)
+
+    def client(self, argv: list[str]) -> list[str]:
+        """A client command as run against this cluster (in the controller's network when it has one)."""
+        argv = [_which(argv[0]) or argv[0], *argv[1:]]
+        return argv if self.network is None else self.network.on_controller(argv)
+
+    def _on(self, member: str, argv: list[str]) -> list[str]:
+        if self.network is None:
+            return argv
+        return self.network.wrap(member, argv, self.read_only_on.get(member, []))
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         assert self.root is not None
@@ -353,8 +401,13 @@ class SlurmCluster:
             ],
         )
         self._wait_for(lambda: self.munge_socket.exists(), 15, "munged to create its socket")
-        self._spawn("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._spawn("slurmd", [_which("slurmd") or "slurmd", "-D", "-N", NODE, "-f", str(self.conf)])
+        self._spawn(
+            "slurmctld", self._on(CONTROLLER, [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)])
+        )
+        for node in self.nodes:
+            self._spawn(
+                f"slurmd-{node}", self._on(node, [_which("slurmd") or "slurmd", "-D", "-N", node, "-f", str(self.conf)])
+            )
 
     def _wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -366,18 +419,17 @@ class SlurmCluster:
                 raise SlurmUnavailable(f"timed out after {timeout:.0f} s waiting for {what}\n{self.log_tails()}")
             time.sleep(0.5)
 
-    def node_state(self) -> str:
+    def node_states(self) -> dict[str, str]:
+        """Each node's state as sinfo shows it (idle, allocated, down*, drained, ...)."""
         proc = subprocess.run(
-            [_which("sinfo") or "sinfo", "-h", "-N", "-n", NODE, "-o", "%T"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=30,
+            self.client(["sinfo", "-h", "-N", "-o", "%N %T"]), env=self.env, capture_output=True, text=True, timeout=30
         )
-        return proc.stdout.strip() if proc.returncode == 0 else ""
+        pairs = (line.split() for line in proc.stdout.splitlines()) if proc.returncode == 0 else ()
+        return {pair[0]: pair[1] for pair in pairs if len(pair) == 2}
 
     def _wait_idle(self) -> None:
-        self._wait_for(lambda: self.node_state() == "idle", self.start_timeout, f"sinfo to show {NODE} idle")
+        everywhere = dict.fromkeys(self.nodes, "idle")
+        self._wait_for(lambda: self.node_states() == everywhere, self.start_timeout, "sinfo to show every node idle")
 
     def log_tails(self, lines: int = 30) -> str:
         if self.root is None:
@@ -393,7 +445,7 @@ class SlurmCluster:
         to slurmctld broken mid-reply, and failed a suite run."""
         for _ in range(3):
             proc = subprocess.run(
-                [_which(argv[0]) or argv[0], *argv[1:]], env=self.env, capture_output=True, text=True, timeout=timeout
+                self.client(list(argv)), env=self.env, capture_output=True, text=True, timeout=timeout
             )
             if proc.returncode >= 0:
                 break
@@ -426,7 +478,7 @@ class SlurmCluster:
         if not any(opt in ("-o", "--output") or opt.startswith(("-o", "--output=")) for opt in options):
             options.append(f"--output={self.root / 'jobs' / 'slurm-%j.out'}")
         proc = subprocess.run(
-            [_which("sbatch") or "sbatch", "--parsable", *options, str(path), *args],
+            self.client(["sbatch", "--parsable", *options, str(path), *args]),
             env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
@@ -535,7 +587,7 @@ class SlurmCluster:
         if ctld is not None and ctld.poll() is None:
             with contextlib.suppress(Exception):
                 self._cancel_all(timeout=self.kill_wait + 15)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(f"slurmd-{node}" for node in self.nodes), "slurmctld", "munged"):
             self._stop_daemon(name)
         for _ in range(3):
             pids = self.leftover_pids()
@@ -546,8 +598,22 @@ class SlurmCluster:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.5)
         self._procs.clear()
+        if self.network is not None:
+            self.network.destroy()  # and whatever still ran on a node
         if remove and self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def fail_node(self, node: str) -> None:
+        """`node` dies: its link goes down, then its slurmd and every process on it are killed (netns.fail)."""
+        assert self.network is not None, "only a multi-node cluster has nodes that can fail"
+        self.network.fail(node)
+        proc = self._procs.get(f"slurmd-{node}")
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+    def processes_on(self, node: str) -> list[int]:
+        return self.network.pids(node) if self.network is not None else []
 
     def __enter__(self) -> SlurmCluster:
         return self

@@ -6,7 +6,6 @@ task still closing down after the save (a stand-in task, seconds)."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -16,65 +15,19 @@ import pytest
 
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO, free_port
-
-# The demo recipe at DP=2 trains 0.65-1.3 s a step here (alone / beside the rest of the suite). Slurm's timer ticks
-# every 30 s and warns 0-30 s early (tests/slurm/cluster.py): on a 2-minute job warned 50 s ahead the warning comes
-# 40-70 s into an attempt, 10-26 s of which go to start-up, so an attempt trains 15-60 s. The time-limited job's
-# first attempt pauses STEP_PAUSE s in every step (tests.verifiers:spread_pausing_in_the_first_attempt, the demo's
-# own filter otherwise): its STEPS take 75 s or more, longer than any attempt's window, while the re-queued attempt
-# trains the rest (at most about 20 steps) at full speed. Without the pause the job needed 110 steps, and 2-5
-# attempts and 124-370 s beside the suite. At most 2 generation rounds a step: uncapped, the late steps of the
-# demo (accuracy 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s each (issue 21).
-STEPS = 24
-STEP_PAUSE = 2.5
-TIME_LIMIT = ["--time=2", "--signal=B:USR1@50"]
-WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
-# A warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the job's end
-# from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 55 s before it (a step of 3-4 s,
-# the save estimate of 10 s, this margin), 20 s or more before the warning could come.
-LATE_WARNING = ["--time=2", "--signal=B:USR1@5"]
-OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
-RECIPE = [
-    "examples/smoke_cpu.yaml",
-    f"trainer.steps={STEPS}",
-    "algorithm.dynamic_sampling.max_rounds=2",
-    "algorithm.dynamic_sampling.filter=tests.verifiers:spread_pausing_in_the_first_attempt",  # where asked
-    "checkpoint.save_interval=0",  # no periodic save: only the time-limit warning saves
-    "logging.wandb.mode=disabled",
-    "logging.progress=false",
-]
-# On this 2-core node: 2 tasks of 1 CPU, no GPU (the script's #SBATCH defaults are for 8-GPU nodes).
-CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
-
-
-def submit(
-    cluster, tmp_path: Path, name: str, *options: str, step_pause: float = 0.0, overrides: list[str] = ()
-) -> tuple[int, Path]:
-    run_dir = tmp_path / name
-    env = {"DAPO_PYTHON": sys.executable, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port()),
-           "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause)}  # fmt: skip
-    job_id = cluster.submit(
-        REPO / "slurm/train.sbatch",
-        *RECIPE,
-        *overrides,
-        f"logging.run_dir={run_dir}",
-        sbatch_options=[*CPU_NODE, f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out", *options],
-        env=env,
-        cwd=REPO,
-    )
-    return job_id, run_dir
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_timings(table: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))} for row in table]
-
-
-def job_output(tmp_path: Path, name: str, job_id: int) -> str:
-    return (tmp_path / f"{name}-{job_id}.out").read_text()
+from tests.slurm.jobs import (
+    CPU_NODE,
+    LATE_WARNING,
+    OWN_STOP_MARGIN,
+    STEP_PAUSE,
+    STEPS,
+    TIME_LIMIT,
+    WARNING_ONLY,
+    job_output,
+    rows,
+    submit,
+    without_timings,
+)
 
 
 @pytest.fixture(scope="module")

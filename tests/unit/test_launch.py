@@ -179,6 +179,40 @@ def test_a_saved_stop_is_marked_beside_the_stop_file(monkeypatch, tmp_path):
     )
 
 
+def test_the_first_task_to_fail_claims_the_error_record_and_prints_it(monkeypatch, tmp_path, capsys):
+    """slurm/train.sbatch reports the first failure's code, rank and host: srun reports 143 for the tasks it
+    ended after it, and rank 0 (which alone printed an error every rank meets) may be one of them."""
+    import socket
+
+    from dapo_mcore import cli
+
+    monkeypatch.delenv(launch.STOP_FILE_ENV, raising=False)
+    assert launch.claim_first_error(2, "x") is None  # not under the batch script
+    monkeypatch.setenv(launch.STOP_FILE_ENV, str(tmp_path / "attempt-0.stop"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    shared = launch.PreflightError("preflight found problems before training:\n  a problem (ranks 2,3 on node2)")
+    shared.same_on_every_rank = True
+    monkeypatch.setattr(cli, "_parser", lambda: _failing_parser(shared))
+    monkeypatch.setattr(launch, "install_stop_handlers", lambda: None)
+    printed = []
+    for rank in ("3", "0"):  # rank 3 meets it first; rank 0 later, if srun has not ended it by then
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(None) == 2  # as `python -m dapo_mcore.cli` calls it: this process is the run
+        printed.append(capsys.readouterr().err)
+    assert "a problem (ranks 2,3 on node2)" in printed[0] and printed[1] == ""  # by the first, once
+    record = (tmp_path / "attempt-0.stop.error").read_text()
+    assert record == f"2 3 {socket.gethostname()}\n{shared}\n"
+
+
+def _failing_parser(err):
+    from types import SimpleNamespace
+
+    def fail(_args):
+        raise err
+
+    return SimpleNamespace(parse_args=lambda argv: SimpleNamespace(func=fail))
+
+
 def test_a_mark_that_cannot_be_written_leaves_the_stop_as_it_was(monkeypatch, tmp_path):
     """Exit 75 alone still re-queues: a stop whose mark fails to write must not become a crash."""
     from types import SimpleNamespace
