@@ -142,6 +142,7 @@ def build_run(cfg: RunConfig) -> Run:
         wait_timeout_minutes=par.generation_timeout_minutes,
         ep=ep,
         etp=etp,
+        peer_timeout_s=par.peer_timeout_s,
     )
     lock = None
     try:

@@ -89,6 +89,11 @@ class ParallelConfig:
     # The preflight's all-reduce across every rank must end within this many seconds (a broken fabric or
     # NCCL setting fails there, before the model is built).
     preflight_timeout_s: float = 300.0
+    # Seconds a rank may go unheard (its node died: power, kernel panic, link down) before every other rank stops
+    # with exit code 76 and one line naming it and its host, instead of waiting in a collective for
+    # timeout_minutes; 0 disables the watch. It hears processes, not progress: a live but hung rank is left to
+    # timeout_minutes.
+    peer_timeout_s: float = 120.0
 
 
 @dataclass

@@ -8,6 +8,9 @@ from pathlib import Path
 from dapo_mcore.config.schema import RunConfig
 from dapo_mcore.utils.errors import ConfigError
 
+# The shortest parallel.peer_timeout_s a run may set (0 aside: no watch); the ranks then beat every 5/6 s.
+MIN_PEER_TIMEOUT_S = 5.0
+
 
 def validate(cfg: RunConfig) -> None:
     """The first problem, as a ConfigError."""
@@ -32,7 +35,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_parallel(cfg: RunConfig) -> None:
-    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback)."""
+    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback); the peer watch's timeout."""
     par = cfg.parallel
     for name in (
         "tensor_model_parallel_size",
@@ -44,6 +47,11 @@ def _check_parallel(cfg: RunConfig) -> None:
     _require(
         par.expert_tensor_parallel_size >= 0,
         f"parallel.expert_tensor_parallel_size must be >= 0 (0: the same as TP), got {par.expert_tensor_parallel_size}",
+    )
+    _require(
+        par.peer_timeout_s == 0 or par.peer_timeout_s >= MIN_PEER_TIMEOUT_S,
+        f"parallel.peer_timeout_s must be 0 (no watch) or >= {MIN_PEER_TIMEOUT_S:.0f} s, got {par.peer_timeout_s}: "
+        f"shorter, a busy host's pause (swapping, a long garbage collection) could end a healthy run",
     )
 
 

@@ -1,5 +1,6 @@
 """Process groups and the CPU (gloo) mode; the only code that touches megatron.core.parallel_state."""
 
+from dapo_mcore.parallel.liveness import PEER_LOST_EXIT_CODE
 from dapo_mcore.parallel.state import (
     ParallelContext,
     StoreBoard,
@@ -14,6 +15,7 @@ from dapo_mcore.parallel.state import (
 )
 
 __all__ = [
+    "PEER_LOST_EXIT_CODE",
     "ParallelContext",
     "StoreBoard",
     "all_gather_objects",

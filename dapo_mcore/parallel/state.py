@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.parallel import cpu_mode
+from dapo_mcore.parallel.liveness import PeerWatch
 from dapo_mcore.utils.errors import LayoutError
 from dapo_mcore.utils.logging import get_logger
 
@@ -148,13 +149,16 @@ def init_parallel(
     wait_timeout_minutes: float = 240,
     ep: int = 1,
     etp: int = 0,
+    peer_timeout_s: float = 120.0,
 ) -> ParallelContext:
     """Start torch.distributed (torchrun's env, or a one-process group), Megatron's model parallel groups and
     the wait group (ParallelContext.wait_group). ep / etp: expert parallel and expert tensor parallel sizes
-    (etp 0: the same as tp)."""
+    (etp 0: the same as tp). peer_timeout_s: with more than one rank, a rank not heard from for this long (its
+    host died) stops every rank with exit code 76 (parallel/liveness.py); 0: no watch."""
     device = resolve_device(device_preference)
     _quiet_benign_warnings(device.type == "cpu")
     _ensure_process_group(device, timeout_minutes)
+    _watch_peers(peer_timeout_s)
     dp = check_layout(dist.get_world_size(), tp, pp, vpp, ep, etp)
     if device.type == "cpu":
         cpu_mode.activate()
@@ -198,10 +202,13 @@ def init_parallel(
 
 
 def destroy_parallel(keep_world: bool = False) -> None:
-    """Tear down Megatron's groups and the process group; keep_world=True keeps the process group (and the
-    store it was made with), so that the same processes can init_parallel again at another layout."""
+    """Tear down Megatron's groups and the process group, after marking this rank as left to the peer watch;
+    keep_world=True keeps the process group (and the store it was made with, and the watch), so that the same
+    processes can init_parallel again at another layout."""
     from megatron.core import parallel_state as mpu
 
+    if not keep_world:
+        _leave_peer_watch()  # first: from here on this rank's silence is a clean end, not a lost host
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if keep_world:
@@ -217,6 +224,21 @@ def destroy_parallel(keep_world: bool = False) -> None:
 
 
 _ENV_SET_HERE: dict[str, str] = {}
+_PEER_WATCH: list[PeerWatch] = []  # this process's watch while its world lasts (kept by keep_world=True)
+
+
+def _watch_peers(timeout_s: float) -> None:
+    if _PEER_WATCH or timeout_s <= 0 or dist.get_world_size() == 1:
+        return
+    watch = PeerWatch.start_for_world(dist.get_rank(), dist.get_world_size(), timeout_s)
+    if watch is not None:
+        _PEER_WATCH.append(watch)
+
+
+def _leave_peer_watch() -> None:
+    """Before the group goes: this rank has left (others must not take its silence for a lost host)."""
+    while _PEER_WATCH:
+        _PEER_WATCH.pop().leave()
 
 
 def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:
