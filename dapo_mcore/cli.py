@@ -11,7 +11,8 @@
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2; a rollout
 engine that fails ends with one line naming the engine, the call and the cause (its traceback logged above
-it) and exit code 3; 75: saved and stopped early, run again; 130 / 143: stopped by SIGINT / SIGTERM.
+it) and exit code 3; 75: saved and stopped early, run again; 76: a peer rank was lost (its node died:
+parallel.peer_timeout_s), resume from the newest save; 130 / 143: stopped by SIGINT / SIGTERM.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ def pytest_sessionstart(session):
 # with xdist_group markers, which pytest-xdist 3.8 cannot apply under pytest 9.2 (it renames a node id field
 # pytest no longer reads).
 WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md has the times)
+    # a Slurm cluster of 3 nodes of its own (module-scoped), apart from the tier's one-node cluster, so that the
+    # two run on both workers at once
+    "tests/slurm/test_multinode.py",
     "tests/e2e/test_checkpoints.py",  # with tests/faults/test_damaged_saves.py (JOINS)
     "tests/slurm/test_train_jobs.py",
     "tests/e2e/test_smollm2.py",
@@ -54,8 +57,9 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/unit/test_offload.py",
     "tests/unit/test_plan.py",
     "tests/faults/test_resume_changes.py",
+    "tests/dist/test_liveness.py",  # its two tests share one launcher run (4 scenarios at once)
 )
-SLURM_GROUP = "tests/slurm/"  # the tier shares one cluster (tests/slurm/conftest.py)
+SLURM_GROUP = "tests/slurm/"  # the tier shares one one-node cluster (tests/slurm/conftest.py)
 # Modules that join another's unit: they use its session-scoped fixture (checkpoint_reference below).
 JOINS = {"tests/faults/test_damaged_saves.py": "tests/e2e/test_checkpoints.py"}
 
@@ -64,7 +68,7 @@ def work_unit_of(nodeid: str) -> str:
     """What goes to one worker: the module for WHOLE_MODULES (with the modules that JOIN it), the Slurm tier
     together, else the test alone."""
     module = nodeid.split("::", 1)[0]
-    if module.startswith(SLURM_GROUP):
+    if module.startswith(SLURM_GROUP) and module not in WHOLE_MODULES:
         return SLURM_GROUP
     module = JOINS.get(module, module)
     return module if module in WHOLE_MODULES else nodeid

@@ -27,8 +27,9 @@ def slurm_cluster(tmp_path_factory):
 # The multi-node tests' cluster: node1..node3, each a network namespace with its own address, hostname and slurmd
 # (tests/slurm/netns.py). 4 CPUs each (Slurm trusts the number: 2 tasks a node, or 4 on one). Slurm declares a
 # silent node DOWN after SLURMD_TIMEOUT s (default 300): long enough that a test can tell the run's own liveness
-# stop (parallel.peer_timeout_s) from Slurm ending the job. On node2 alone READ_ONLY_ON_NODE2 is read-only.
-SLURMD_TIMEOUT = 30
+# stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s after the
+# re-queue (5 s: Slurm's minimum). On node2 alone the folder `read_only_on_node2` is read-only.
+SLURMD_TIMEOUT = 20
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,9 @@ def slurm_nodes(tmp_path_factory):
     except SlurmUnavailable as exc:
         pytest.skip(f"no Slurm: {exc}")
     read_only = tmp_path_factory.mktemp("read_only_on_node2")
-    cluster = SlurmCluster(nodes=3, cpus=4, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={"node2": [read_only]})
+    cluster = SlurmCluster(
+        nodes=3, cpus=4, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={"node2": [read_only]}
+    )
     cluster.read_only_on_node2 = read_only
     try:
         cluster.start(tmp_path_factory.mktemp("slurm_nodes"))

@@ -1,8 +1,9 @@
 """slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): the CPU demo
-recipe with 2 tasks runs to the end; with a time limit shorter than the run, the job saves at the warning,
-re-queues itself, resumes from that save and ends with exactly the uninterrupted job's metrics; so it does when
-the warning would come too late, stopping by itself on the job's end time; and it re-queues when srun ends a
-task still closing down after the save (a stand-in task, seconds)."""
+recipe with 2 tasks runs to the end; with a time limit shorter than the run whose warning would come too late,
+the job stops by itself on the job's end time, saves, re-queues itself, resumes from that save and ends with
+exactly the uninterrupted job's metrics; scancel saves at the step boundary; and the job re-queues when srun ends
+a task still closing down after the save (a stand-in task, seconds). The time-limit warning's own path (save at
+Slurm's USR1, re-queue, resume) runs on two nodes: tests/slurm/test_multinode.py."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from tests.slurm.jobs import (
     OWN_STOP_MARGIN,
     STEP_PAUSE,
     STEPS,
-    TIME_LIMIT,
-    WARNING_ONLY,
     job_output,
     rows,
     submit,
@@ -48,31 +47,6 @@ def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninter
     assert logs == ["attempt-0-task-0.log", "attempt-0-task-1.log"]  # one log per task
     task0 = next((uninterrupted.parent / "logs").glob("whole-*/attempt-0-task-0.log")).read_text()
     assert "world=2 = TP 1 x PP 1 x DP 2" in task0 and "preflight passed" in task0
-
-
-def test_a_job_past_its_time_limit_saves_requeues_and_ends_with_the_same_metrics(
-    slurm_cluster, tmp_path, uninterrupted
-):
-    job_id, run_dir = submit(
-        slurm_cluster, tmp_path, "limited", *TIME_LIMIT, step_pause=STEP_PAUSE, overrides=WARNING_ONLY
-    )
-    record = slurm_cluster.wait(job_id, timeout=900)
-    out = job_output(tmp_path, "limited", job_id)
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
-    restarts = int(record["Restarts"])
-    assert restarts >= 1, out  # the run is longer than one attempt's minute
-    assert out.count("saved before the time limit: re-queueing") == restarts
-    # every step ran exactly once, in order: none trained twice (nothing rolled back), none skipped
-    assert [row["step"] for row in rows(run_dir)] == [row["step"] for row in rows(uninterrupted)]
-    assert not (run_dir / "metrics.rolled_back.jsonl").exists()
-    assert without_timings(rows(run_dir)) == without_timings(rows(uninterrupted))
-    task0_logs = sorted((tmp_path / "logs").glob("limited-*/attempt-*-task-0.log"))
-    assert len(task0_logs) == restarts + 1
-    first = task0_logs[0].read_text()
-    assert re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to", first), first[-3000:]
-    assert "resuming from" in task0_logs[1].read_text()
-    saved = next((tmp_path / "logs").glob("limited-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
-    assert saved.startswith("stopped by Slurm's time-limit warning after step") and str(run_dir) in saved
 
 
 def test_a_job_whose_warning_comes_too_late_stops_by_itself_requeues_and_loses_no_step(

@@ -1,0 +1,223 @@
+"""slurm/train.sbatch across hosts, on a private Slurm cluster of 3 nodes on this machine (each a network
+namespace with its own address, hostname and slurmd: tests/slurm/netns.py): 2 nodes x 2 tasks (TP 2 inside a node,
+DP 2 across the nodes) train the test recipe to the end with the metrics of the same layout on one node, as
+torchrun does across two hosts without Slurm; a problem of one host is named once, with that host; the
+time-limit warning saves, re-queues and resumes on another node set; a node that dies mid-step stops the ranks
+left on the others within a bound, and the re-queued job resumes from the newest save on the remaining nodes
+with the uninterrupted run's metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.slurm.conftest import SLURMD_TIMEOUT
+from tests.slurm.jobs import (
+    TIME_LIMIT,
+    WARNING_ONLY,
+    job_output,
+    rows,
+    submit,
+    without_timings,
+)
+
+# With 4 tasks: DP 2, TP inside a node (tasks 0-1, 2-3). 12 steps, half the one-node tests' 24: every run here
+# has 4 ranks on 2 cores. The time-limited job's first attempt pauses 5 s a step (2.5 s at 24 steps): its 12 steps
+# take 65 s or more, longer than any attempt's window (tests/slurm/jobs.py).
+STEPS = 12
+TP2 = ["parallel.tensor_model_parallel_size=2", f"trainer.steps={STEPS}"]
+LONG_STEP_PAUSE = 5.0
+CPU = ["--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
+ONE_NODE = ["--nodes=1", "--ntasks-per-node=4", *CPU]
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=2", *CPU]
+
+
+def task_logs(tmp_path: Path, name: str, attempt: int = 0) -> dict[int, str]:
+    """Each task's log of that attempt, by rank."""
+    found = (tmp_path / "logs").glob(f"{name}-*/attempt-{attempt}-task-*.log")
+    return {int(path.stem.rsplit("-", 1)[1]): path.read_text() for path in found}
+
+
+def hosts_of(logs: dict[int, str]) -> dict[int, str]:
+    """The host each task named in its log's first line (slurm/train.sbatch)."""
+    hosts = {}
+    for rank, text in logs.items():
+        match = re.search(rf"task {rank} of \d+ on (\S+) \(local rank", text)
+        assert match, text[:2000]
+        hosts[rank] = match.group(1)
+    return hosts
+
+
+def attempts_nodes(out: str) -> list[str]:
+    """The node list of each attempt, as the batch script logged it."""
+    return re.findall(r"job \d+ attempt \d+ on (\S+) \(", out)
+
+
+def expand(cluster, node_list: str) -> list[str]:
+    """node[1-2] -> [node1, node2] (Slurm's own reading)."""
+    return cluster.run("scontrol", "show", "hostnames", node_list).stdout.split()
+
+
+def finished(cluster, job_id: int, tmp_path: Path, name: str, timeout: float = 600) -> tuple[dict, str]:
+    record = cluster.wait(job_id, timeout=timeout)
+    out = job_output(tmp_path, name, job_id)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
+    return record, out
+
+
+@pytest.fixture(scope="module")
+def one_node(slurm_nodes, tmp_path_factory) -> Path:
+    """The reference: the same recipe and layout (TP 2 x DP 2) as 4 tasks on one node."""
+    tmp_path = tmp_path_factory.mktemp("one_node")
+    job_id, run_dir = submit(slurm_nodes, tmp_path, "one", overrides=TP2, shape=ONE_NODE)
+    finished(slurm_nodes, job_id, tmp_path, "one")
+    assert set(hosts_of(task_logs(tmp_path, "one")).values()) == {"node1"}
+    return run_dir
+
+
+def test_two_nodes_train_the_recipe_with_the_metrics_of_one_node(slurm_nodes, one_node, tmp_path):
+    job_id, run_dir = submit(slurm_nodes, tmp_path, "two", overrides=TP2, shape=TWO_NODES)
+    record, out = finished(slurm_nodes, job_id, tmp_path, "two")
+    first, second = expand(slurm_nodes, record["NodeList"])
+    assert attempts_nodes(out) == [record["NodeList"]], out  # one attempt
+    logs = task_logs(tmp_path, "two")
+    assert hosts_of(logs) == {0: first, 1: first, 2: second, 3: second}  # each log names its host
+    assert f"rendezvous {first}:" in logs[2]  # the first node of the allocation, by name, from the other host
+    assert "world=4 = TP 2 x PP 1 x DP 2" in logs[0]
+    assert f"preflight passed on 4 ranks on 2 hosts ({first}, {second})" in logs[0]  # each rank checked its host
+    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+
+
+def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_node(slurm_nodes, one_node, tmp_path):
+    """docs/gpu.md's two-node torchrun command, one per host, meeting by c10d rendezvous at node1."""
+    from tests.slurm.jobs import RECIPE
+
+    run_dir = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400", "--rdzv-id", "two-hosts",
+               "-m", "dapo_mcore.cli", "train", *RECIPE, *TP2, f"logging.run_dir={run_dir}"]  # fmt: skip
+    env = {**slurm_nodes.env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank, node in enumerate(("node1", "node2")):
+        log = open(tmp_path / f"{node}.log", "wb")  # noqa: SIM115 - closed below
+        argv = slurm_nodes.network.wrap(node, [*command[:5], "--node_rank", str(rank), *command[5:]])
+        procs.append((subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        codes = [proc.wait(timeout=600) for proc, _ in procs]
+    finally:
+        for proc, log in procs:
+            proc.kill()
+            log.close()
+    outputs = {node: (tmp_path / f"{node}.log").read_text() for node in ("node1", "node2")}
+    assert codes == [0, 0], outputs
+    assert "preflight passed on 4 ranks on 2 hosts" in outputs["node1"] + outputs["node2"]
+    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+
+
+def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_path):
+    read_only = slurm_nodes.read_only_on_node2  # writable on node1, read-only on node2
+    overrides = [*TP2, f"checkpoint.dir={read_only}/checkpoints"]
+    job_id, _ = submit(slurm_nodes, tmp_path, "ro", overrides=overrides, shape=TWO_NODES)
+    record = slurm_nodes.wait(job_id, timeout=300)
+    out = job_output(tmp_path, "ro", job_id)
+    assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", f"{record}\n{out}"
+    logs = "".join(task_logs(tmp_path, "ro").values())
+    problem = f"checkpoint directory {read_only}/checkpoints: cannot write in {read_only} (Read-only file system)"
+    named = f"{problem} (ranks 2,3 on node2)"  # both ranks of that host, the host, nothing of node1
+    assert logs.count(problem) == 1 and named in logs, logs[-4000:]  # one task printed it, whichever failed first
+    assert out.count(problem) == 1 and named in out, out  # and the job's output repeats it, with the job's code
+    assert re.search(r"task \d on node\d failed first \(exit code 2; srun: \d+\)", out), out
+
+
+def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_another_node_set(
+    slurm_nodes, one_node, tmp_path
+):
+    """Slurm's own timer (a 2-minute job warned 50 s ahead, tests/slurm/jobs.py); the second node of the first
+    attempt is drained while it runs, so the re-queued job must run on another node set."""
+    overrides = [*TP2, *WARNING_ONLY]
+    job_id, run_dir = submit(
+        slurm_nodes, tmp_path, "limited", *TIME_LIMIT, step_pause=LONG_STEP_PAUSE, overrides=overrides, shape=TWO_NODES
+    )
+    first_nodes = expand(slurm_nodes, slurm_nodes.wait(job_id, states={"RUNNING"}, timeout=120)["NodeList"])
+    drained = first_nodes[1]
+    slurm_nodes.run("scontrol", "update", f"NodeName={drained}", "State=DRAIN", "Reason=dapo-test")
+    try:
+        record, out = finished(slurm_nodes, job_id, tmp_path, "limited", timeout=900)
+    finally:
+        slurm_nodes.run("scontrol", "update", f"NodeName={drained}", "State=RESUME")
+    restarts = int(record["Restarts"])
+    assert restarts >= 1 and out.count("saved before the time limit: re-queueing") == restarts, out
+    second_nodes = set(hosts_of(task_logs(tmp_path, "limited", 1)).values())
+    assert len(second_nodes) == 2 and drained not in second_nodes, out  # the nodes of the second attempt
+    first = task_logs(tmp_path, "limited", 0)
+    stopped = re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to (\S+)", first[0])
+    assert stopped, first[0][-3000:]
+    # every step ran exactly once, in order, with the metrics of the one-node run
+    assert not (run_dir / "metrics.rolled_back.jsonl").exists()
+    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+    assert "resuming from" in task_logs(tmp_path, "limited", 1)[0]
+
+
+def processes_of_jobs(cluster, node: str, only: str = "") -> list[str]:
+    """The command lines of what runs on the node besides its slurmd (those holding `only`)."""
+    found = []
+    for pid in cluster.processes_on(node):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if not command.split(" ", 1)[0].endswith("slurmd") and only in command:
+                found.append(command)
+    return found
+
+
+PEER_TIMEOUT_S = 6  # parallel.peer_timeout_s of the node-failure run (default 120)
+
+
+def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_resumes_elsewhere(
+    slurm_nodes, one_node, tmp_path
+):
+    """The first node of the allocation dies: the batch script's host, rank 0's (the rendezvous store's, the run
+    lock holder's). Its link goes down first, so its peers hear nothing, as from a host that lost power. Last in
+    this module: that node stays down."""
+    overrides = [*TP2, "checkpoint.save_interval=3", f"parallel.peer_timeout_s={PEER_TIMEOUT_S}"]
+    job_id, run_dir = submit(slurm_nodes, tmp_path, "dies", overrides=overrides, shape=TWO_NODES)
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(rows(run_dir)) >= 7):  # the save of step 6 is done
+        assert time.monotonic() < deadline, slurm_nodes.job(job_id)
+        time.sleep(0.2)
+    hosts = hosts_of(task_logs(tmp_path, "dies", 0))
+    dead, other = hosts[0], hosts[2]  # tasks 0-1 on the first node, 2-3 on the second
+    failed_at = time.monotonic()
+    slurm_nodes.fail_node(dead)
+    print(f"{dead} failed at {time.strftime('%H:%M:%S')}")
+    while ranks := processes_of_jobs(slurm_nodes, other, only="dapo_mcore.cli train"):  # ranks 2, 3 stop
+        assert time.monotonic() - failed_at < SLURMD_TIMEOUT, ranks  # by themselves, before Slurm ends the job
+        time.sleep(0.2)
+    stopped_after = time.monotonic() - failed_at
+    # well before Slurm declares the node DOWN (SLURMD_TIMEOUT) and far below the collective timeouts (30/240 min)
+    assert stopped_after < PEER_TIMEOUT_S + 10, stopped_after
+    for rank in (2, 3):
+        lost = task_logs(tmp_path, "dies", 0)[rank]
+        assert re.search(rf"peer lost: .*\(rank 0's host, {dead}\).* \(exit 76\)", lost), lost[-3000:]
+    record, out = finished(slurm_nodes, job_id, tmp_path, "dies", timeout=600)  # Slurm re-queues it (NODE_FAIL)
+    assert record["Restarts"] == "1", out
+    resumed = task_logs(tmp_path, "dies", 1)
+    assert set(hosts_of(resumed).values()) == set(slurm_nodes.nodes) - {dead}  # the nodes left
+    assert re.search(rf"taking over the lock of run directory \S+ from pid \d+ on host {dead}: it was attempt 0",
+                     resumed[0]), resumed[0][-3000:]  # fmt: skip
+    assert re.search(r"resuming from \S+step_0000(06|09|12)", resumed[0]), resumed[0][-3000:]
+    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+    for node in slurm_nodes.nodes:
+        assert processes_of_jobs(slurm_nodes, node) == [], node  # nothing left behind, on any node
+    retrained = (run_dir / "metrics.rolled_back.jsonl").read_text().count("\n")  # trained since the save
+    started = re.findall(r"(\d\d:\d\d:\d\d) job \d+ attempt 1 on", out)
+    print(
+        f"node failure: ranks left stopped after {stopped_after:.1f} s; the job re-queued by Slurm, attempt 1 "
+        f"started at {started}; {retrained} steps trained again"
+    )  # fmt: skip (slurm/README.md's figures, -s)
