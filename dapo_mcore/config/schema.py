@@ -107,9 +107,39 @@ class SamplingConfig:
 
 
 @dataclass
+class SyntheticEngineConfig:
+    """rollout.engine=synthetic: answers drawn at once, without a model, for scale rehearsals and tests only,
+    never for training a model (docs/engines.md). The defaults follow the DAPO paper's run (Qwen2.5-32B on
+    DAPO-Math-17k): its mean response length grows from about 1k tokens to about 4-5k over the run
+    (REFERENCE.md section 6), under the 20,480-token cap."""
+
+    # The mean answer length in tokens (of the lognormal draw, before the rollout.sampling.max_response_len cap)
+    # at the first step; it grows linearly to mean_len_last at trainer.steps.
+    mean_len_first: float = 1000.0
+    # The mean answer length (tokens, before the rollout.sampling.max_response_len cap) at the last step.
+    mean_len_last: float = 4500.0
+    # Spread of the lengths: sigma of their logarithm (0.8: about 1% of the answers reach the paper's 20,480 cap
+    # at a 4.5k mean; larger: a longer tail, more truncated answers).
+    length_sigma: float = 0.8
+    # Truncated answers (cut at max_response_len, finish reason "length") are wrong, as a rule verifier finds
+    # no final answer in them; false: their verdict is drawn like any other answer's.
+    truncated_wrong: bool = True
+    # The mean share of correct answers: each prompt gets its own solve probability, drawn from a Beta
+    # distribution with this mean, and each answer is correct with it (needs algorithm.reward.verifier=synthetic).
+    solve_rate: float = 0.5
+    # The Beta's concentration (a + b): small values give many prompts solved always or never (all-correct and
+    # all-wrong groups, which dynamic sampling drops); large ones, prompts near solve_rate (groups kept).
+    solve_concentration: float = 1.0
+    # Seed of the lengths, tokens, log-probs, routing and verdicts (rollout.seed seeds each request, as for
+    # any engine): the same seeds and steps give the same answers.
+    seed: int = 0
+
+
+@dataclass
 class RolloutConfig:
-    # Engine adapter: "hf" (transformers, runs anywhere), "vllm", "sglang".
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    # Engine adapter: "hf" (transformers, runs anywhere), "vllm", "sglang"; "synthetic": answers drawn without
+    # a model, for scale rehearsals and tests only (rollout.synthetic; docs/engines.md).
+    engine: Literal["hf", "vllm", "sglang", "synthetic"] = "hf"
     # Responses sampled per prompt, G in the paper.
     n_samples_per_prompt: int = 16
     # Groups (prompts) in the training batch of one RL step, after dynamic sampling (paper: 512).
@@ -169,6 +199,8 @@ class RolloutConfig:
     offload_actor: bool = False
     # Rollout sampling seed; each (step, round, rank) derives its own stream from it.
     seed: int = 0
+    # The synthetic engine's draws (rollout.engine=synthetic only).
+    synthetic: SyntheticEngineConfig = field(default_factory=SyntheticEngineConfig)
 
 
 @dataclass
@@ -184,6 +216,7 @@ class AdvantageConfig:
 @dataclass
 class RewardConfig:
     # "dapo" (final answer after "Answer:"), "math_verify" (symbolic, LaTeX/boxed), "gsm8k" (the final number),
+    # "synthetic" (the verdicts rollout.engine=synthetic drew),
     # or "module:function".
     verifier: str = "dapo"
     # Reward for a correct / wrong final answer (paper: +1 / -1; use 1 / 0 for a 0-1 reward).

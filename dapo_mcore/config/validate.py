@@ -185,6 +185,42 @@ def _check_rollout(cfg: RunConfig) -> None:
     _require(ro.cpu_kv_cache_mb >= 1, "rollout.cpu_kv_cache_mb must be >= 1")
     _require(ro.max_num_batched_tokens >= 0, "rollout.max_num_batched_tokens must be >= 0 (0: engine default)")
     _require(ro.max_model_len >= 0, "rollout.max_model_len must be >= 0 (0: the model's limit)")
+    _check_synthetic(cfg)
+
+
+def _check_synthetic(cfg: RunConfig) -> None:
+    """rollout.synthetic's knobs; rollout.engine=synthetic and algorithm.reward.verifier=synthetic go together (the
+    engine's answers carry the verdicts that rule reads, and nothing else does); its log-probs are not the
+    actor's, so the mismatch guard, which compares them, cannot stay on 'stop'."""
+    syn, engine, verifier = cfg.rollout.synthetic, cfg.rollout.engine, cfg.algorithm.reward.verifier
+    _require(
+        syn.mean_len_first >= 1 and syn.mean_len_last >= 1,
+        f"rollout.synthetic: mean_len_first ({syn.mean_len_first}) and mean_len_last ({syn.mean_len_last}) must be "
+        ">= 1 token",
+    )
+    _require(syn.length_sigma >= 0, f"rollout.synthetic.length_sigma must be >= 0, got {syn.length_sigma}")
+    _require(0.0 <= syn.solve_rate <= 1.0, f"rollout.synthetic.solve_rate must be in [0, 1], got {syn.solve_rate}")
+    _require(
+        syn.solve_concentration > 0,
+        f"rollout.synthetic.solve_concentration must be > 0, got {syn.solve_concentration}",
+    )
+    if engine == "synthetic":
+        _require(
+            verifier == "synthetic",
+            f"rollout.engine=synthetic needs algorithm.reward.verifier=synthetic (its answers are drawn, not written: "
+            f"the verdict drawn with each is what that rule reads), got {verifier!r}",
+        )
+        _require(
+            cfg.algorithm.mismatch.guard != "stop",
+            "rollout.engine=synthetic draws its log-probs instead of computing them: they are not the actor's, so "
+            "the mismatch guard would stop the first step; set algorithm.mismatch.guard=off (or warn)",
+        )
+    else:
+        _require(
+            verifier != "synthetic",
+            f"algorithm.reward.verifier=synthetic reads the verdicts of rollout.engine=synthetic only (rehearsals and "
+            f"tests): with rollout.engine={engine} every answer would be wrong",
+        )
 
 
 def _check_partial_rollout(cfg: RunConfig) -> None:

