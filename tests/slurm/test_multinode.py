@@ -1,10 +1,11 @@
 """slurm/train.sbatch across hosts, on a private Slurm cluster of 3 nodes on this machine (each a network
-namespace with its own address, hostname and slurmd: tests/slurm/netns.py): 2 nodes x 2 tasks (TP 2 inside a node,
-DP 2 across the nodes) train the test recipe to the end with the metrics of the same layout on one node, as
-torchrun does across two hosts without Slurm; a problem of one host is named once, with that host; the
-time-limit warning saves, re-queues and resumes on another node set; a node that dies mid-step stops the ranks
-left on the others within a bound, and the re-queued job resumes from the newest save on the remaining nodes
-with the uninterrupted run's metrics."""
+namespace with its own address, hostname and slurmd: tests/slurm/netns.py). The reference: 4 tasks on one node
+(TP 2 x DP 2) run the test recipe to the end. On 2 nodes x 2 tasks (TP 2 inside a node, DP 2 across the nodes),
+every job below ends with the reference's metrics: torchrun across two hosts without Slurm; Slurm's time-limit
+warning saves on both hosts, re-queues, and the job resumes on another node set; a warning that would come too
+late, where the run stops by itself; a node that dies mid-step, which stops the ranks left within a bound, and
+the re-queued job resumes from the newest save on the remaining nodes. A problem of one host is named once, with
+that host."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ import pytest
 from tests.conftest import REPO
 from tests.slurm.conftest import SLURMD_TIMEOUT
 from tests.slurm.jobs import (
+    LATE_WARNING,
+    OWN_STOP_MARGIN,
+    STEP_PAUSE,
+    STEPS,
     TIME_LIMIT,
     WARNING_ONLY,
     job_output,
@@ -28,12 +33,7 @@ from tests.slurm.jobs import (
     without_timings,
 )
 
-# With 4 tasks: DP 2, TP inside a node (tasks 0-1, 2-3). 12 steps, half the one-node tests' 24: every run here
-# has 4 ranks on 2 cores. The time-limited job's first attempt pauses 5 s a step (2.5 s at 24 steps): its 12 steps
-# take 65 s or more, longer than any attempt's window (tests/slurm/jobs.py).
-STEPS = 12
-TP2 = ["parallel.tensor_model_parallel_size=2", f"trainer.steps={STEPS}"]
-LONG_STEP_PAUSE = 5.0
+TP2 = ["parallel.tensor_model_parallel_size=2"]  # with 4 tasks: DP 2, TP inside a node (tasks 0-1, 2-3)
 CPU = ["--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=4", *CPU]
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=2", *CPU]
@@ -78,21 +78,16 @@ def one_node(slurm_nodes, tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("one_node")
     job_id, run_dir = submit(slurm_nodes, tmp_path, "one", overrides=TP2, shape=ONE_NODE)
     finished(slurm_nodes, job_id, tmp_path, "one")
-    assert set(hosts_of(task_logs(tmp_path, "one")).values()) == {"node1"}
+    assert len(set(hosts_of(task_logs(tmp_path, "one")).values())) == 1
     return run_dir
 
 
-def test_two_nodes_train_the_recipe_with_the_metrics_of_one_node(slurm_nodes, one_node, tmp_path):
-    job_id, run_dir = submit(slurm_nodes, tmp_path, "two", overrides=TP2, shape=TWO_NODES)
-    record, out = finished(slurm_nodes, job_id, tmp_path, "two")
-    first, second = expand(slurm_nodes, record["NodeList"])
-    assert attempts_nodes(out) == [record["NodeList"]], out  # one attempt
-    logs = task_logs(tmp_path, "two")
-    assert hosts_of(logs) == {0: first, 1: first, 2: second, 3: second}  # each log names its host
-    assert f"rendezvous {first}:" in logs[2]  # the first node of the allocation, by name, from the other host
+def test_the_batch_script_runs_4_tasks_on_one_node_to_the_end(one_node):
+    logs = task_logs(one_node.parent, "one")
+    assert sorted(logs) == [0, 1, 2, 3]  # one log per task
+    assert [row["step"] for row in rows(one_node)] == list(range(1, STEPS + 1))  # updates done
     assert "world=4 = TP 2 x PP 1 x DP 2" in logs[0]
-    assert f"preflight passed on 4 ranks on 2 hosts ({first}, {second})" in logs[0]  # each rank checked its host
-    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+    assert f"preflight passed on 4 ranks on 1 host ({hosts_of(logs)[0]})" in logs[0]
 
 
 def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_node(slurm_nodes, one_node, tmp_path):
@@ -139,11 +134,11 @@ def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_pat
 def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_another_node_set(
     slurm_nodes, one_node, tmp_path
 ):
-    """Slurm's own timer (a 2-minute job warned 50 s ahead, tests/slurm/jobs.py); the second node of the first
+    """Slurm's own timer (a 3-minute job warned 90 s ahead, tests/slurm/jobs.py); the second node of the first
     attempt is drained while it runs, so the re-queued job must run on another node set."""
     overrides = [*TP2, *WARNING_ONLY]
     job_id, run_dir = submit(
-        slurm_nodes, tmp_path, "limited", *TIME_LIMIT, step_pause=LONG_STEP_PAUSE, overrides=overrides, shape=TWO_NODES
+        slurm_nodes, tmp_path, "limited", *TIME_LIMIT, step_pause=STEP_PAUSE, overrides=overrides, shape=TWO_NODES
     )
     first_nodes = expand(slurm_nodes, slurm_nodes.wait(job_id, states={"RUNNING"}, timeout=120)["NodeList"])
     drained = first_nodes[1]
@@ -157,12 +152,40 @@ def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_anoth
     second_nodes = set(hosts_of(task_logs(tmp_path, "limited", 1)).values())
     assert len(second_nodes) == 2 and drained not in second_nodes, out  # the nodes of the second attempt
     first = task_logs(tmp_path, "limited", 0)
+    # 2 nodes x 2 tasks: each log names its host; the rendezvous is the first node, by name, seen from the other
+    one, two = first_nodes
+    assert hosts_of(first) == {0: one, 1: one, 2: two, 3: two} and f"rendezvous {one}:" in first[2]
+    assert "world=4 = TP 2 x PP 1 x DP 2" in first[0]
+    assert f"preflight passed on 4 ranks on 2 hosts ({one}, {two})" in first[0]  # each rank checked its host
     stopped = re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to (\S+)", first[0])
     assert stopped, first[0][-3000:]
     # every step ran exactly once, in order, with the metrics of the one-node run
     assert not (run_dir / "metrics.rolled_back.jsonl").exists()
     assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
     assert "resuming from" in task_logs(tmp_path, "limited", 1)[0]
+
+
+def test_a_job_whose_warning_comes_too_late_stops_by_itself_on_both_hosts_and_loses_no_step(
+    slurm_nodes, one_node, tmp_path
+):
+    """A warning 5 s ahead comes too late (tests/slurm/jobs.py): the run reads the job's end and stops by itself,
+    every rank at the same step boundary, saves, and the script re-queues it."""
+    overrides = [*TP2, *OWN_STOP_MARGIN]
+    job_id, run_dir = submit(
+        slurm_nodes, tmp_path, "own", *LATE_WARNING, step_pause=STEP_PAUSE, overrides=overrides, shape=TWO_NODES
+    )
+    record, out = finished(slurm_nodes, job_id, tmp_path, "own", timeout=900)
+    restarts = int(record["Restarts"])
+    assert restarts >= 1 and out.count("saved before the time limit: re-queueing") == restarts, out
+    assert "time limit near (USR1)" not in out  # the run stopped before Slurm's warning came
+    # every step ran exactly once, in order, with the metrics of the one-node run
+    assert not (run_dir / "metrics.rolled_back.jsonl").exists()
+    assert without_timings(rows(run_dir)) == without_timings(rows(one_node))
+    first = task_logs(tmp_path, "own", 0)[0]
+    assert re.search(r"job ends at \d\d:\d\d \(in \d+ min\); stopping and saving by itself", first), first[-3000:]
+    assert re.search(r"stopping \w+ step \d+ on the job's time limit \(a step of up to \d+ s", first), first[-3000:]
+    saved = next((tmp_path / "logs").glob("own-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
+    assert saved.startswith("stopped by the job's time limit") and str(run_dir) in saved
 
 
 def processes_of_jobs(cluster, node: str, only: str = "") -> list[str]:

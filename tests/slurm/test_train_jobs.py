@@ -1,9 +1,7 @@
-"""slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): the CPU demo
-recipe with 2 tasks runs to the end; with a time limit shorter than the run whose warning would come too late,
-the job stops by itself on the job's end time, saves, re-queues itself, resumes from that save and ends with
-exactly the uninterrupted job's metrics; scancel saves at the step boundary; and the job re-queues when srun ends
-a task still closing down after the save (a stand-in task, seconds). The time-limit warning's own path (save at
-Slurm's USR1, re-queue, resume) runs on two nodes: tests/slurm/test_multinode.py."""
+"""slurm/train.sbatch on a real Slurm (a private one-node cluster, tests/slurm/cluster.py): scancel saves at the
+step boundary; and the job re-queues when srun ends a task still closing down after the save (a stand-in task,
+seconds). Whole jobs, the time limit (Slurm's warning, and the run's own stop when the warning comes too late)
+and a node that dies run on a cluster of several nodes: tests/slurm/test_multinode.py."""
 
 from __future__ import annotations
 
@@ -12,63 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO, free_port
 from tests.slurm.jobs import (
     CPU_NODE,
-    LATE_WARNING,
-    OWN_STOP_MARGIN,
-    STEP_PAUSE,
-    STEPS,
     job_output,
     rows,
     submit,
-    without_timings,
 )
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(slurm_cluster, tmp_path_factory) -> Path:
-    tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    job_id, run_dir = submit(slurm_cluster, tmp_path, "whole")
-    record = slurm_cluster.wait(job_id, timeout=600)
-    out = job_output(tmp_path, "whole", job_id)
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
-    assert record["Restarts"] == "0"
-    return run_dir
-
-
-def test_the_batch_script_runs_the_demo_recipe_with_two_tasks_to_the_end(uninterrupted):
-    table = rows(uninterrupted)
-    assert [row["step"] for row in table] == list(range(1, STEPS + 1))  # updates done
-    logs = sorted(p.name for p in (uninterrupted.parent / "logs").glob("whole-*/*.log"))
-    assert logs == ["attempt-0-task-0.log", "attempt-0-task-1.log"]  # one log per task
-    task0 = next((uninterrupted.parent / "logs").glob("whole-*/attempt-0-task-0.log")).read_text()
-    assert "world=2 = TP 1 x PP 1 x DP 2" in task0 and "preflight passed" in task0
-
-
-def test_a_job_whose_warning_comes_too_late_stops_by_itself_requeues_and_loses_no_step(
-    slurm_cluster, tmp_path, uninterrupted
-):
-    job_id, run_dir = submit(
-        slurm_cluster, tmp_path, "own", *LATE_WARNING, step_pause=STEP_PAUSE, overrides=OWN_STOP_MARGIN
-    )
-    record = slurm_cluster.wait(job_id, timeout=900)
-    out = job_output(tmp_path, "own", job_id)
-    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", f"{record}\n{out}"
-    restarts = int(record["Restarts"])
-    assert restarts >= 1 and out.count("saved before the time limit: re-queueing") == restarts, out
-    assert "time limit near (USR1)" not in out  # the run stopped before Slurm's warning came
-    # every step ran exactly once, in order, with the uninterrupted job's metrics
-    assert [row["step"] for row in rows(run_dir)] == [row["step"] for row in rows(uninterrupted)]
-    assert without_timings(rows(run_dir)) == without_timings(rows(uninterrupted))
-    first = sorted((tmp_path / "logs").glob("own-*/attempt-*-task-0.log"))[0].read_text()
-    assert re.search(r"job ends at \d\d:\d\d \(in \d+ min\); stopping and saving by itself", first), first[-3000:]
-    assert re.search(r"stopping \w+ step \d+ on the job's time limit \(a step of up to \d+ s", first), first[-3000:]
-    saved = next((tmp_path / "logs").glob("own-*/attempt-0.stop.saved")).read_text()  # rank 0's mark
-    assert saved.startswith("stopped by the job's time limit") and str(run_dir) in saved
 
 
 def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
