@@ -61,6 +61,7 @@ from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unava
 from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
+from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 from dapo_mcore.rollout.validation import EvalSettings, Validator
 from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunLockError
 from dapo_mcore.utils.imports import import_callable
@@ -253,7 +254,11 @@ def start_engine(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) -> Rollo
     sleeps (its KV cache and weights released) so the actor can be built; the first weight push wakes it."""
     settings = engine_settings(cfg, ctx, routing=returns_routing(cfg, spec))
     with torch.random.fork_rng(devices=[]):  # an engine's own initialisation must not move the run's streams
-        engine = create_engine(cfg.rollout.engine, settings)
+        if cfg.rollout.engine == "synthetic":  # the rehearsals' stand-in: its knobs and the run's length
+            knobs = SyntheticSettings.of(cfg.rollout.synthetic, cfg.trainer.steps)
+            engine = create_engine(cfg.rollout.engine, settings, synthetic=knobs)
+        else:
+            engine = create_engine(cfg.rollout.engine, settings)
     engine.release_memory()
     return engine
 

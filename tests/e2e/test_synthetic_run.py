@@ -11,7 +11,6 @@ import pytest
 
 from dapo_mcore import build
 from dapo_mcore.cli import main
-from dapo_mcore.config import load_config
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,15 +35,12 @@ SHORT = [
 ]
 
 
-def pass_the_synthetic_knobs(monkeypatch, overrides: list[str]) -> list[int]:
-    """build.py does not pass rollout.synthetic to create_engine yet (docs/engines.md): here it is passed as
-    build.py is to. Returns the steps each started engine was told (one per run)."""
-    cfg = load_config(RECIPE, overrides)
+def spy_on_the_engine_knobs(monkeypatch) -> list[SyntheticSettings]:
+    """The knobs build.start_engine passes to each engine it starts (rollout.synthetic and trainer.steps)."""
     told, create = [], build.create_engine
 
     def create_engine(name, settings, synthetic=None):
-        synthetic = synthetic or SyntheticSettings.of(cfg.rollout.synthetic, cfg.trainer.steps)
-        told.append(synthetic.steps)
+        told.append(synthetic)
         return create(name, settings, synthetic)
 
     monkeypatch.setattr(build, "create_engine", create_engine)
@@ -53,9 +49,9 @@ def pass_the_synthetic_knobs(monkeypatch, overrides: list[str]) -> list[int]:
 
 def test_the_demo_recipe_trains_three_steps_on_the_synthetic_engine(tmp_path, monkeypatch, capsys):
     overrides = [*SYNTHETIC, *SHORT, f"logging.run_dir={tmp_path / 'run'}"]
-    told = pass_the_synthetic_knobs(monkeypatch, overrides)
+    told = spy_on_the_engine_knobs(monkeypatch)
     assert main(["train", RECIPE, *overrides]) == 0, capsys.readouterr().err[-3000:]
-    assert told == [3]
+    assert [(knobs.steps, knobs.mean_len_first, knobs.mean_len_last) for knobs in told] == [(3, 8, 24)]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
