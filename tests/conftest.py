@@ -29,8 +29,8 @@ def pytest_sessionstart(session):
         pytest.exit(f"{free_gib:.1f} GiB free in {where}; the test suite needs about {SUITE_FREE_GIB} GiB", 2)
 
 
-# `make test` runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadgroup`): most cases wait on one core (CLI
-# runs with OMP_NUM_THREADS=1, Slurm's timer, pip). Tests are handed out one by one, except that each module
+# `make test` runs the suite on 3 pytest-xdist workers (`-n 3 --dist loadgroup`): most cases wait on one core (CLI
+# runs with OMP_NUM_THREADS=1, Slurm's timers, pip). Tests are handed out one by one, except that each module
 # below runs whole on one worker, because its tests share an expensive module- or session-scoped fixture (a
 # Slurm cluster, a converted model, a reference run, engines, cached layout runs), and these go out first,
 # longest first, so that no long group starts last. The grouping is done by the scheduler below rather than
