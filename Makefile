@@ -60,7 +60,7 @@ lint: setup
 
 # pytest-xdist workers: most cases wait on one core (tests/README.md), and the Slurm tier's multi-node module, the
 # longest unit (about 11 min), mostly waits on slurmctld's timers: 3 keep a 2-core machine busy meanwhile (16 min 58 s
-# against 19 min 31 s with 2). Modules that share an expensive fixture run whole on one worker (tests/conftest.py).
+# from a fresh clone of d00b252; e351baa, with a longer Slurm tier, took 19 min 31 s on 2). Modules that share an expensive fixture run whole on one worker (tests/conftest.py).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
