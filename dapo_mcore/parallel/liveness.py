@@ -41,6 +41,7 @@ What it is not: heartbeats prove that a process lives, not that it progresses. A
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -307,10 +308,9 @@ class PeerWatch:
             self._stopping.release()
             return
         log.error(stop_line(verdict))
-        for handler in _handlers_of(log):
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for flush in [handler.flush for handler in _handlers_of(log)] + [sys.stdout.flush, sys.stderr.flush]:
+            with contextlib.suppress(ValueError, OSError):  # a closed or broken stream must not keep the rank alive
+                flush()
         if tell_others is not None:
             teller = threading.Thread(target=_quietly, args=(tell_others,), name="peer-watch-tell", daemon=True)
             teller.start()

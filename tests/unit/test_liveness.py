@@ -218,3 +218,22 @@ def test_peer_timeout_is_0_for_no_watch_or_at_least_5_s(timeout_s, refused):
     problems = [p for p in config_problems(cfg) if "peer_timeout_s" in p]
     assert bool(problems) == refused, problems
     assert "exit code 76" in key_descriptions()["parallel.peer_timeout_s"]
+
+
+def test_a_log_stream_already_closed_does_not_keep_the_rank_from_stopping(lines, tmp_path):
+    """Flushing the log before the exit met a handler whose stream was closed (a suite run: a handler left on a
+    stream pytest had closed) and raised ValueError out of the stop: the rank would then have stayed in its
+    collective."""
+    closed = open(tmp_path / "log", "w")  # noqa: SIM115 - closed at once: the point
+    closed.close()
+    handler = logging.StreamHandler(closed)
+    logger = logging.getLogger("dapo_mcore.parallel.liveness")
+    logger.addHandler(handler)
+    handler.emit = lambda record: None  # the line itself goes elsewhere; only the flush meets the closed stream
+    try:
+        rank1 = Rank(FakeStore(), clock := FakeClock(), 1)
+        clock.now += 100.0
+        rank1.watch._check_store()
+    finally:
+        logger.removeHandler(handler)
+    assert rank1.exits == [PEER_LOST_EXIT_CODE]
