@@ -154,6 +154,18 @@ def routing_rows(request: AnswerRequest, n_new: int) -> int:
 OnFinished = Callable[[int, Completion], bool]
 
 
+def generate_by_answers(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams):
+    """`generate` for an engine whose unit is the answer: n requests per prompt (request i*n+j seeded
+    params.seed + i*n + j), none stopped early, the completions grouped back by prompt."""
+    requests = [
+        AnswerRequest(list(ids), params.max_new_tokens, params.seed + i * params.n + j)
+        for i, ids in enumerate(prompt_ids)
+        for j in range(params.n)
+    ]
+    completions = engine.generate_answers(requests, params, lambda i, c: False)
+    return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
+
+
 def step_poll(on_finished: OnFinished) -> Callable[[], bool]:
     """on_finished's poll(), or one that never stops the round."""
     return getattr(on_finished, "poll", None) or (lambda: False)

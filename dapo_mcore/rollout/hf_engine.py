@@ -21,6 +21,7 @@ from dapo_mcore.rollout.base import (
     OnFinished,
     SamplingParams,
     answer_completion,
+    generate_by_answers,
     routing_rows,
     step_poll,
 )
@@ -69,13 +70,7 @@ class HFEngine:
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         # request i's seed is the seed of the batch chunk it starts (see _generate_rows)
-        requests = [
-            AnswerRequest(ids, params.max_new_tokens, params.seed + i * params.n + j)
-            for i, ids in enumerate(prompt_ids)
-            for j in range(params.n)
-        ]
-        completions = self.generate_answers(requests, params, lambda i, c: False)
-        return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
+        return generate_by_answers(self, prompt_ids, params)
 
     def generate_answers(
         self, requests: list[AnswerRequest], params: SamplingParams, on_finished: OnFinished
