@@ -1,4 +1,5 @@
-"""The `slurm_cluster` fixture: one private one-node Slurm cluster for the whole session (skips where none)."""
+"""The Slurm tier's clusters: `slurm_cluster`, one private one-node cluster for the whole session, and
+`slurm_nodes`, three nodes on this machine for the multi-node module (each skips, with the reason, where none)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,25 @@ import pytest
 from tests.slurm.cluster import SlurmCluster, SlurmUnavailable
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
+def running(cluster: SlurmCluster, workdir, not_started: str):
+    """Install Slurm if needed, start `cluster` in `workdir`, yield it and stop it; skip where either fails."""
     try:
         SlurmCluster.ensure_installed()
     except SlurmUnavailable as exc:
         pytest.skip(f"no Slurm: {exc}")
-    cluster = SlurmCluster()
     try:
-        cluster.start(tmp_path_factory.mktemp("slurm"))
+        cluster.start(workdir)
     except SlurmUnavailable as exc:
-        pytest.skip(f"Slurm did not start: {exc}")
+        pytest.skip(f"{not_started}: {exc}")
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    yield from running(SlurmCluster(), tmp_path_factory.mktemp("slurm"), "Slurm did not start")
 
 
 # The multi-node tests' cluster: node1..node3, each a network namespace with its own address, hostname and slurmd
@@ -34,20 +39,9 @@ SLURMD_TIMEOUT = 20
 
 @pytest.fixture(scope="module")
 def slurm_nodes(tmp_path_factory):
-    try:
-        SlurmCluster.ensure_installed()
-    except SlurmUnavailable as exc:
-        pytest.skip(f"no Slurm: {exc}")
     read_only = tmp_path_factory.mktemp("read_only_on_node2")
     cluster = SlurmCluster(
         nodes=3, cpus=4, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={"node2": [read_only]}
     )
     cluster.read_only_on_node2 = read_only
-    try:
-        cluster.start(tmp_path_factory.mktemp("slurm_nodes"))
-    except SlurmUnavailable as exc:
-        pytest.skip(f"no multi-node Slurm here: {exc}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from running(cluster, tmp_path_factory.mktemp("slurm_nodes"), "no multi-node Slurm here")
