@@ -49,8 +49,7 @@ class HFEngine:
         self.max_batch_rows = max_batch_rows
         # Every end-of-sequence id the model declares; the tokenizer's alone when not given.
         self.stop_ids = stop_ids or [tokenizer.eos_token_id]
-        self._params = checkpoint_named_views(self.model)
-        self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+        self._shapes = {name: tuple(p.shape) for name, p in checkpoint_named_views(self.model).items()}
         self._routing = RoutingCapture(self.model) if return_routed_experts else None
 
     @classmethod
@@ -128,9 +127,13 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Views taken now, not at start: release_memory / resume_memory move the model (Module.to gives every
+        # parameter new storage), and a view taken before a move writes into the old storage, which the model
+        # no longer reads (seen on an H200: the engine sampled from its initial weights, KL 0.41 nats a token).
+        params = checkpoint_named_views(self.model)
         for name, tensor in named_tensors:
             check_weight(self.name, self._shapes, name, tuple(tensor.shape))
-            param = self._params[name]
+            param = params[name]
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
 
     def release_memory(self) -> None:
@@ -144,7 +147,6 @@ class HFEngine:
 
     def shutdown(self) -> None:
         self.model = None
-        self._params = {}
 
 
 class RoutingCapture:

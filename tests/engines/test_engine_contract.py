@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -229,6 +230,42 @@ def test_a_corrupted_bucket_is_caught_by_its_checksum_and_not_loaded(engine, tok
     engine.update_weights(model_weights().items())  # a good push restores the model for the other tests
     greedy = engine.generate(prompt_ids(tokenizer)[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
     assert len(greedy[0][0].token_ids)
+
+
+def test_a_push_while_the_engine_sleeps_is_what_it_generates_from_after_waking(engine, tokenizer):
+    """The trainer's order: the engine sleeps (release_memory) from its start and while the actor trains, the
+    push comes then, and it wakes to generate. Zero weights make every logit 0: log p = -log V for every token."""
+    zeros = [(name, torch.zeros_like(tensor)) for name, tensor in model_weights().items()]
+    vocab = len(tokenizer)
+    prompts = prompt_ids(tokenizer)[:1]
+    try:
+        engine.release_memory()
+        engine.update_weights(zeros)
+        engine.resume_memory()
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+        logprobs = torch.cat([c.logprobs for c in out[0]])
+        torch.testing.assert_close(logprobs, torch.full_like(logprobs, -math.log(vocab)), rtol=0, atol=1e-3)
+    finally:
+        engine.release_memory()
+        engine.update_weights(model_weights().items())  # the model back for the other tests, through the same path
+        engine.resume_memory()
+
+
+def test_the_hf_engine_takes_a_push_after_its_parameters_moved():
+    """On a GPU the HF engine's release_memory / resume_memory move the model (Module.to: every parameter gets
+    new storage). A push must land in the storage the model reads after that, not in views taken at start (seen
+    on an H200: the engine sampled from its initial weights, 0.41 nats a token from the actor). Module._apply
+    with a clone gives the parameters new storage on the CPU as .to() does on a GPU."""
+    from dapo_mcore.rollout.hf_engine import HFEngine
+
+    settings = EngineSettings(model_path=str(MODEL), device="cpu", dtype="float32", load_weights=False)
+    engine = HFEngine.create(settings)
+    engine.model._apply(torch.clone)
+    weights = model_weights()
+    engine.update_weights(weights.items())
+    state = engine.model.state_dict()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
 
 
 @pytest.fixture(scope="module")
