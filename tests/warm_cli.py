@@ -15,7 +15,9 @@ another server for the same environment (started on first need).
 
 What is not run warm: runs under torchrun (its workers start their own interpreters), the test that is about the
 command's own start and exit, and a run whose environment differs from the server's (a new server is started for
-that environment, since variables are read at import time).
+that environment, since variables are read at import time). On a machine with a GPU nothing is: the preloaded
+imports initialise CUDA there, and torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in forked
+subprocess", seen on an H200), so each run is a fresh `python` (`cold_process`).
 """
 
 from __future__ import annotations
@@ -136,8 +138,7 @@ class WarmCli:
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
         pid = json.loads(self.reply(timeout=None))["pid"]
-        cmd = [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *argv]
-        proc = WarmProcess(self, cmd, pid, out_dir)
+        proc = WarmProcess(self, command(argv, script), pid, out_dir)
         _running.add(proc)
         return proc
 
@@ -209,9 +210,31 @@ def cli_env() -> dict[str, str]:
 PER_CALL_VARIABLES = ("PYTEST_CURRENT_TEST", "MASTER_PORT")
 
 
-def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO) -> WarmProcess:
+def forking_is_unsafe() -> bool:
+    """A visible GPU: a fork after the server's imports cannot use CUDA (torch.cuda.is_available asks the driver
+    without initialising CUDA in this process)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def command(argv: list, script=None) -> list[str]:
+    return [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *map(str, argv)]
+
+
+def cold_process(argv: list, env: dict[str, str], script=None, cwd: Path = REPO) -> subprocess.Popen:
+    """The command in a fresh interpreter, in a process group of its own, as a warm run would be."""
+    pipe = subprocess.PIPE
+    return subprocess.Popen(command(argv, script), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                            stderr=pipe, text=True, start_new_session=True)  # fmt: skip
+
+
+def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
     """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) started in a process forked from an idle warm
-    server for `env` (one is started when none is idle); the server ends the run after `timeout` seconds."""
+    server for `env` (one is started when none is idle); the server ends the run after `timeout` seconds.
+    On a GPU machine a fresh process instead (forking_is_unsafe), which the caller waits for with its timeout."""
+    if forking_is_unsafe():
+        return cold_process(argv, env, script, cwd)
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     servers = _servers.setdefault(tuple(sorted(server_env.items())), [])
     servers[:] = [s for s in servers if s.server.poll() is None]  # a dead server is replaced
@@ -225,6 +248,8 @@ def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd
 
 def run_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
     """start_warm's command, waited for: returns what subprocess.run(capture_output=True, text=True) would."""
+    if forking_is_unsafe():
+        return subprocess.run(command(argv, script), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     proc = start_warm(argv, env, timeout, script, cwd)
     out, err = proc.communicate()
     if proc.timed_out:
