@@ -25,7 +25,12 @@ from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_s
 from dapo_mcore.config.validate import checkpoint_dir_of, config_problems, eval_file_list, run_dir_of
 from dapo_mcore.data.datasets import build_prompt_source, load_jsonl_prompts
 from dapo_mcore.launch import path_problems, tokenizer_problem
-from dapo_mcore.mcore.provider import check_model_layout, check_moe_training_layout, transformer_engine_problem
+from dapo_mcore.mcore.provider import (
+    check_model_layout,
+    check_moe_training_layout,
+    cpu_offload_problem,
+    transformer_engine_problem,
+)
 from dapo_mcore.parallel import check_layout
 from dapo_mcore.plan import default_gpus, plan_memory
 from dapo_mcore.rollout.registry import engine_problem
@@ -65,6 +70,8 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     files += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
     report.problems += [p for p in files if model_dir.is_dir() or not p.startswith("model.hf_path")]
     report.problems += [p for p in [needed_transformer_engine(cfg)] if p]
+    if cfg.optimizer.cpu_offload:
+        report.problems += [p for p in [cpu_offload_problem(on_cpu=device == "cpu")] if p]
     if model_config is not None:
         report.problems += [p for p in [engine_problem(cfg.rollout.engine, device, model_config)] if p]
     check_data(report, cfg, model_read=spec is not None)

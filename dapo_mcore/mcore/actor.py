@@ -54,7 +54,7 @@ from dapo_mcore.mcore.fused_logprobs import (
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
 from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay
-from dapo_mcore.mcore.provider import padded_vocab_size
+from dapo_mcore.mcore.provider import cpu_offload_problem, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_reduce_sums_and_maxes
 from dapo_mcore.utils.errors import ConfigError
@@ -728,11 +728,8 @@ def build_actor(
     ]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp_chunks[0].no_sync if len(ddp_chunks) == 1 else [c.no_sync for c in ddp_chunks]
-    if opt.cpu_offload and ctx.is_cpu:
-        raise ConfigError(
-            "optimizer.cpu_offload needs a GPU (Megatron's HybridDeviceOptimizer steps host copies of the GPU's "
-            "parameters); on the CPU the optimizer is in host memory already: drop optimizer.cpu_offload"
-        )
+    if opt.cpu_offload and (problem := cpu_offload_problem(ctx.is_cpu)):
+        raise ConfigError(problem)
     optimizer = get_megatron_optimizer(OptimizerConfig(**megatron_optimizer_options(opt, config)), ddp_chunks)
     return MegatronActor(ctx, spec, ddp_chunks, optimizer, _lr_schedule(optimizer, opt), settings)
 

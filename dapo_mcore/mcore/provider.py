@@ -218,6 +218,21 @@ def transformer_engine_problem() -> str | None:
     return None
 
 
+def cpu_offload_problem(on_cpu: bool) -> str | None:
+    """Why optimizer.cpu_offload cannot run here; None when it can. It goes through Megatron's precision-aware
+    optimizer, whose config checks Transformer Engine's version: without TE, Megatron-Core 0.16 fails there with
+    "'>=' not supported between 'NoneType' and 'Version'" (seen on an H200)."""
+    if on_cpu:
+        return (
+            "optimizer.cpu_offload needs a GPU (Megatron's HybridDeviceOptimizer steps host copies of the GPU's "
+            "parameters); on the CPU the optimizer is in host memory already: drop optimizer.cpu_offload"
+        )
+    problem = transformer_engine_problem()
+    if problem is None:
+        return None
+    return f"optimizer.cpu_offload (Megatron's precision-aware optimizer) needs Transformer Engine: {problem}"
+
+
 def transformer_engine_available() -> bool:
     return transformer_engine_problem() is None
 

@@ -101,6 +101,7 @@ def test_thd_packing_with_transformer_engine_matches_padded_rows(hf_dir, tmp_pat
         assert max_grad_diff(got, out) < 1e-5
 
 
+@needs_te  # Megatron's precision-aware optimizer checks TE's version (mcore/provider.py cpu_offload_problem)
 def test_cpu_offload_keeps_no_optimizer_state_on_the_gpu(hf_dir, tmp_path):
     """optimizer.cpu_offload through Megatron's precision-aware path (mcore/actor.py): no fp32 master copy of the
     weights stays on the GPU and Adam's state lives in host memory, as plan.py counts it; the update still

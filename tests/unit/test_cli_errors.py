@@ -106,3 +106,18 @@ def test_check_names_a_missing_engine_package_and_says_an_earlier_run_will_be_mo
     assert proc.returncode == 2
     assert "  - rollout.engine=sglang needs the 'sglang' package: pip install 'dapo-mcore[sglang]'" in proc.stderr
     assert f"{run_dir} holds an earlier run: train moves it to run.prev-<time> and starts at step 0" in proc.stderr
+
+
+def test_check_names_what_optimizer_cpu_offload_needs(tmp_path):
+    """On the CPU it needs a GPU; on a GPU, Transformer Engine (Megatron's precision-aware optimizer checks its
+    version: without it the run failed with a TypeError inside Megatron's config, seen on an H200)."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    run = ("check", "examples/smoke_cpu.yaml", "optimizer.cpu_offload=true", f"logging.run_dir={tmp_path}/run")
+    on_cpu, on_gpu = run_cli(*run), run_cli(*run, "parallel.device=cuda")
+    assert on_cpu.returncode == 2 and "  - optimizer.cpu_offload needs a GPU" in on_cpu.stderr
+    assert on_gpu.returncode == 2
+    assert (
+        "  - optimizer.cpu_offload (Megatron's precision-aware optimizer) needs Transformer Engine: "
+        "transformer_engine is not installed" in on_gpu.stderr
+    )

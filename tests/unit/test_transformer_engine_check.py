@@ -92,3 +92,14 @@ def test_the_local_spec_builds_no_transformer_engine_norm_when_te_imports(monkey
         destroy_parallel()
     # the block's final norm is the local spec's own, like the layers' norms (LNImpl: apex's or torch's)
     assert type(model.decoder.final_layernorm) is type(model.decoder.layers[0].input_layernorm)
+
+
+def test_cpu_offload_without_it_is_one_line_naming_the_cause(missing_te):
+    """Megatron's precision-aware optimizer (optimizer.cpu_offload's path) failed with a TypeError deep in its config
+    without TE (seen on an H200); `train` and `check` now name the cause first."""
+    from dapo_mcore.mcore.provider import cpu_offload_problem
+
+    problem = cpu_offload_problem(on_cpu=False)
+    assert problem.startswith("optimizer.cpu_offload (Megatron's precision-aware optimizer) needs Transformer Engine: ")
+    assert "transformer_engine is not installed" in problem
+    assert cpu_offload_problem(on_cpu=True).startswith("optimizer.cpu_offload needs a GPU")
