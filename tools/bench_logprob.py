@@ -6,7 +6,10 @@ forward + backward, for growing token counts T at a given hidden size H and voca
     python tools/bench_logprob.py --tokens 16384 --hidden 3584 --vocab 151936 --dtype bfloat16 --device cuda
 
 naive: logits = hidden @ W^T, then log_softmax and entropy in fp32 over the full [T, V] (what a plain head
-does). fused: dapo_mcore.mcore.fused_logprobs.chunked_logprobs with --chunk tokens per chunk. Peak memory
+does). fused: dapo_mcore.mcore.fused_logprobs.chunked_logprobs with --chunk tokens per chunk (logits
+recomputed in backward: old log-probs, any loss). fused-lossgrad: chunked_logprobs_with_loss_grad, the
+actor's default head for DAPO's loss (the gradient taken in the forward chunk loop, no recompute; no
+entropy term in the loss, so its one-buffer path). Peak memory
 is measured beyond the inputs: on CUDA with torch.cuda.max_memory_allocated; on the CPU as the growth of
 the process's peak RSS, each case in a fresh process so that one case's peak cannot hide another's.
 """
@@ -22,7 +25,7 @@ import time
 
 import torch
 
-from dapo_mcore.mcore.fused_logprobs import chunked_logprobs
+from dapo_mcore.mcore.fused_logprobs import chunked_logprobs, chunked_logprobs_with_loss_grad
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +39,28 @@ def fused(hidden, weight, labels, chunk):
     return chunked_logprobs(hidden, weight, labels, vocab_start=0, true_vocab=weight.shape[0], chunk=chunk)
 
 
+def fused_lossgrad(hidden, weight, labels, chunk):
+    """The same objective as the others' sum(log p): dL/dlogp = 1 per token, the entropy a metric only."""
+
+    def loss_grad(a, b, logp_c, entropy_c):
+        return torch.ones_like(logp_c), None
+
+    _logp, _entropy, anchor = chunked_logprobs_with_loss_grad(
+        hidden, weight, labels, loss_grad, vocab_start=0, true_vocab=weight.shape[0], chunk=chunk, entropy_grad=False
+    )
+    return anchor  # its gradient is that of sum(log p)
+
+
+def loss_of(method, hidden, weight, labels, chunk):
+    if method == "fused-lossgrad":
+        return fused_lossgrad(hidden, weight, labels, chunk)
+    logp, ent = naive(hidden, weight, labels) if method == "naive" else fused(hidden, weight, labels, chunk)
+    return logp.sum() + 0.01 * ent.sum()
+
+
+METHODS = ("naive", "fused", "fused-lossgrad")
+
+
 def run_case(
     method: str, tokens: int, hidden_size: int, vocab: int, dtype: str, device: str, chunk: int, repeats: int
 ) -> dict:
@@ -46,8 +71,7 @@ def run_case(
     labels = torch.randint(0, vocab, (tokens,), device=device)
 
     def step():
-        logp, ent = naive(hidden, weight, labels) if method == "naive" else fused(hidden, weight, labels, chunk)
-        (logp.sum() + 0.01 * ent.sum()).backward()
+        loss_of(method, hidden, weight, labels, chunk).backward()
         hidden.grad = weight.grad = None
 
     if device == "cuda":
@@ -78,6 +102,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="naive is always run")
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -93,17 +118,20 @@ def main() -> None:
         f"H={args.hidden} V={args.vocab} {args.dtype} on {device_name}, chunk={args.chunk}, forward+backward, "
         f"peak memory beyond the inputs"
     )
-    print("| T | naive s | naive peak MiB | fused s | fused peak MiB | memory naive/fused | time fused/naive |")
-    print("|---|---|---|---|---|---|---|")
+    fused_methods = [m for m in args.methods if m != "naive"]
+    head = "".join(f" {m} s | {m} peak MiB | memory naive/{m} | time {m}/naive |" for m in fused_methods)
+    print(f"| T | naive s | naive peak MiB |{head}")
+    print("|---|---|---|" + "---|---|---|---|" * len(fused_methods))
     for tokens in args.tokens:
-        naive_row, fused_row = (measure(args, method, tokens) for method in ("naive", "fused"))
-        print(
-            f"| {tokens} | {naive_row['seconds']:.3f} | {naive_row['peak_bytes'] / 2**20:.0f} | "
-            f"{fused_row['seconds']:.3f} | {fused_row['peak_bytes'] / 2**20:.0f} | "
-            f"{naive_row['peak_bytes'] / max(fused_row['peak_bytes'], 1):.1f}x | "
-            f"{fused_row['seconds'] / naive_row['seconds']:.2f} |",
-            flush=True,
-        )
+        base = measure(args, "naive", tokens)
+        cells = f"| {tokens} | {base['seconds']:.3f} | {base['peak_bytes'] / 2**20:.0f} |"
+        for method in fused_methods:
+            row = measure(args, method, tokens)
+            cells += (
+                f" {row['seconds']:.3f} | {row['peak_bytes'] / 2**20:.0f} | "
+                f"{base['peak_bytes'] / max(row['peak_bytes'], 1):.1f}x | {row['seconds'] / base['seconds']:.2f} |"
+            )
+        print(cells, flush=True)
 
 
 def measure(args, method: str, tokens: int) -> dict:

@@ -62,12 +62,17 @@ def hf_config(name: str) -> dict:
 
 def run_config(budget: int, recompute: str, device: str = "cpu"):
     from dapo_mcore.config import load_config
+    from dapo_mcore.mcore.provider import transformer_engine_available
 
     rows = budget // (PROMPT + RESPONSE)
+    # named, so that the plan counts the layers the build makes: "auto" plans TE's on a GPU, but builds Megatron's
+    # local ones where TE does not import (an H200 run without TE measured 5x the plan of TE layers)
+    impl = "transformer_engine" if device == "cuda" and transformer_engine_available() else "local"
     return load_config(
         None,
         [
             f"parallel.device={device}",
+            f"model.transformer_impl={impl}",
             f"model.dtype={'float32' if device == 'cpu' else 'bfloat16'}",
             "model.init=random",
             f"model.recompute={recompute}",

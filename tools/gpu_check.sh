@@ -44,13 +44,18 @@ try:
     import transformer_engine as te; print(\"transformer-engine\", te.__version__)
 except Exception as e: print(\"transformer-engine: not importable:\", e)'"
 step gpu-tests "$py" -m pytest -q -rs tests/gpu tests/engines/test_engine_contract.py -k "gpu or cuda"
-step bench-logprob "$py" tools/bench_logprob.py --tokens 4096 16384 --hidden 3584 --vocab 151936 --dtype bfloat16 \
-  --device cuda
+step bench-logprob bash -c "$py tools/bench_logprob.py --tokens 4096 16384 --hidden 3584 --vocab 151936 \
+  --dtype bfloat16 --device cuda && $py tools/bench_logprob.py --tokens 16384 --hidden 3584 --vocab 151936 \
+  --dtype bfloat16 --device cuda --chunk 4096"
 step bench-actor "$py" tools/bench_actor.py --hf $qwen --seq 1024 --micro-batch 4 --micro-batches 8 --steps 5 \
   --warmup 2 --transformer-impl local
 step bench-packing "$py" tools/bench_actor.py --hf $qwen --long-cot 64 --min-len 128 --max-len 2048 \
   --micro-batch 2 --steps 3 --warmup 1 --transformer-impl local
-step bench-memory "$py" tools/bench_memory.py --device cuda --cases 80M:4096 500M:4096 500M:16384 500M:16384:full
+# Without Transformer Engine the layers are Megatron's local ones, whose attention holds [heads, s, s] scores per
+# layer (the plan counts them): a 16k-token row of the 500M model then needs far more than a GPU (seen on an H200)
+memory_cases="80M:4096 500M:4096 500M:4096:full"
+has transformer_engine.pytorch && memory_cases="80M:4096 500M:4096 500M:16384 500M:16384:full"
+step bench-memory "$py" tools/bench_memory.py --device cuda --cases $memory_cases
 step dapo-step bash -c "$py tools/make_random_model.py --out $random_llama && $py tools/bench_step.py \
   examples/smoke_cpu.yaml model.hf_path=$random_llama model.init=random model.dtype=bfloat16 parallel.device=cuda \
   model.transformer_impl=local rollout.engine=hf rollout.sampling.max_response_len=512 \
