@@ -44,7 +44,7 @@ from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.processes import Terminated
-from dapo_mcore.utils.timers import PhaseTimer
+from dapo_mcore.utils.timers import PhaseTimer, phase_scope
 
 log = get_logger(__name__)
 
@@ -74,11 +74,13 @@ def train(cfg: RunConfig) -> TrainOutcome:
                 report_held_out_before_training(run)
             for step in range(first_step + 1, cfg.trainer.steps + 1):
                 stop_if_signalled(run, step - 1, saved_step)
-                metrics = rl_step(run, step - 1)
+                with phase_scope("step"):
+                    metrics = rl_step(run, step - 1)
                 report(run, step, {**metrics, **validate(run, step)})  # held out: the weights of this update
                 complete_background_save(run, step)
                 if should_save(cfg, step):
-                    save(run, step)
+                    with phase_scope("save"):
+                        save(run, step)
                     saved_step = step
         complete_background_save(run, cfg.trainer.steps, blocking=True)
     except StoppedToResume:
@@ -105,8 +107,9 @@ def restore(run: Run) -> int:
     """Load the save this run resumes from (if any) into actor and sampler; returns its step (updates done)."""
     if run.resume is None:
         return 0
-    state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
-    run.sampler.load_state_dict(state["sampler"])
+    with phase_scope("restore"):
+        state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
+        run.sampler.load_state_dict(state["sampler"])
     return int(state["step"])
 
 

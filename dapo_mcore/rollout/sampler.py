@@ -47,7 +47,7 @@ from dapo_mcore.rollout.scoring import GroupScoring
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
-from dapo_mcore.utils.timers import PhaseTimer
+from dapo_mcore.utils.timers import PhaseTimer, phase_scope
 
 log = get_logger(__name__)
 _ALGO = AlgorithmConfig()
@@ -237,7 +237,10 @@ class RolloutSampler:
         keys = [(round_idx, i) for i in range(len(groups))]
         keep = self.scoring.keep_mask(groups)
         self._local.update((key, g) for key, g, kept in zip(keys, groups, keep) if kept)  # only these may move
-        gathered = self.all_gather([summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)])
+        with phase_scope("summaries"):  # every replica's groups of the round, as metadata (no tokens)
+            gathered = self.all_gather(
+                [summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)]
+            )
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
         return self.split.in_order(self.split.per_replica(gathered), len(prompts))
 
@@ -280,7 +283,8 @@ class RolloutSampler:
         unfinished = set(range(len(groups))) - set(whole)
         self._local.update((keys[i], groups[i]) for i in keep | unfinished)  # only these may move
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
-        gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
+        with phase_scope("summaries"):
+            gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
         if self.rank == 0:  # every replica has left the round
             control.forget()
         per_replica = self.split.per_replica(gathered)
@@ -422,6 +426,7 @@ def _rollout_metrics(
             "rollout/length_penalty_mean": sum(s.length_penalty for s in samples) / n,
             "rollout/generated_samples": float(n),
             "reward/timeouts": float(sum(s.timed_out for s in samples)),
+            "reward/verifier_errors": float(sum(s.verify_error for s in samples)),
         }
     )
     if any(s.routing_shape or s.routing_dropped for s in samples):  # routing replay: the samples without it

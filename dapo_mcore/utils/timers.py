@@ -1,4 +1,10 @@
-"""Wall-clock time per named phase of an RL step (generate, reward, old_logprobs, update, weight_push)."""
+"""Wall-clock time per named phase of an RL step (generate, reward, exchange, old_logprobs, update,
+weight_push), and the hook through which a rehearsal (dapo_mcore/rehearse) measures each phase.
+
+Phase observers: `observing(observer)` installs an object with `enter(name)` and `exit(name)`, called around
+every PhaseTimer phase and every `phase_scope` (the step, a save, a restore), outermost first. Nothing is
+installed in a training run: then a phase costs two perf_counter calls, as before.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,38 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import Protocol
+
+
+class PhaseObserver(Protocol):
+    def enter(self, name: str) -> None: ...
+
+    def exit(self, name: str) -> None: ...
+
+
+_observers: list[PhaseObserver] = []
+
+
+@contextlib.contextmanager
+def observing(observer: PhaseObserver) -> Iterator[None]:
+    """Call `observer` around every phase while inside."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def phase_scope(name: str) -> Iterator[None]:
+    """A named part of the run that observers see (no time is recorded): the step, a save, a restore."""
+    for observer in _observers:
+        observer.enter(name)
+    try:
+        yield
+    finally:
+        for observer in reversed(_observers):
+            observer.exit(name)
 
 
 class PhaseTimer:
@@ -16,13 +54,14 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        with phase_scope(name):  # outside the timed part: what an observer does is not the phase's time
             self._sync()
-            self._seconds[name] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._sync()
+                self._seconds[name] += time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
         """Seconds per phase since the last pop, keyed 'time/<phase>_s'."""
