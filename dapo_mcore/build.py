@@ -343,6 +343,7 @@ def actor_settings(cfg: RunConfig, pad_id: int, use_te: bool = False) -> ActorSe
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
         packing=packing_mode(cfg.trainer.packing, use_te),
         routing_replay=cfg.model.routing_replay == "rollout",
+        rehearsal_micro_batches=cfg.trainer.rehearsal_micro_batches,
     )
 
 

@@ -198,6 +198,10 @@ def _check_synthetic(cfg: RunConfig) -> None:
         f"rollout.synthetic: mean_len_first ({syn.mean_len_first}) and mean_len_last ({syn.mean_len_last}) must be "
         ">= 1 token",
     )
+    _require(
+        cfg.trainer.rehearsal_micro_batches >= 0,
+        f"trainer.rehearsal_micro_batches must be >= 0, got {cfg.trainer.rehearsal_micro_batches}",
+    )
     _require(syn.length_sigma >= 0, f"rollout.synthetic.length_sigma must be >= 0, got {syn.length_sigma}")
     _require(0.0 <= syn.solve_rate <= 1.0, f"rollout.synthetic.solve_rate must be in [0, 1], got {syn.solve_rate}")
     _require(
@@ -216,6 +220,11 @@ def _check_synthetic(cfg: RunConfig) -> None:
             "the mismatch guard would stop the first step; set algorithm.mismatch.guard=off (or warn)",
         )
     else:
+        _require(
+            cfg.trainer.rehearsal_micro_batches == 0,
+            "trainer.rehearsal_micro_batches leaves most of a step untrained: for rehearsals only "
+            "(rollout.engine=synthetic)",
+        )
         _require(
             verifier != "synthetic",
             f"algorithm.reward.verifier=synthetic reads the verdicts of rollout.engine=synthetic only (rehearsals and "

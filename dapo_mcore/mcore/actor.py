@@ -63,6 +63,8 @@ _QUANTILES = (0.5, 0.9, 0.99)
 
 
 PACKING_MODES = ("off", "mask", "thd")
+# A rehearsal (trainer.rehearsal_micro_batches) computes a micro-batch's first rows within this many tokens.
+REHEARSAL_TOKENS = 4096
 
 
 def packing_mode(choice: str, use_te: bool) -> str:
@@ -100,6 +102,8 @@ class ActorSettings:
     # Mixture-of-experts models: the routers use the experts the engine chose (Sample.routed_experts) where
     # known (model.routing_replay=rollout); False: their own, the agreement with the engine measured.
     routing_replay: bool = False
+    # Rehearsals only (trainer.rehearsal_micro_batches): > 0 computes only this many micro-batches of a step.
+    rehearsal_micro_batches: int = _TRAINER.rehearsal_micro_batches
 
     def __post_init__(self):
         if self.packing not in PACKING_MODES:
@@ -154,12 +158,40 @@ class PolicyRunner:
         0 off the response positions, as when laid out from samples); last pipeline stage only."""
         for chunk in self.chunks:
             chunk.eval()
-        for micro in batches.mini_batches:
-            outputs = self._run_schedule(micro, forward_only=True)
+        for j, micro in enumerate(batches.mini_batches):
+            computed = self._computed(j, micro)
+            outputs = {}
+            if computed:
+                to_compute = [self._rehearsal_cut(micro[i]) for i in computed]
+                outputs = dict(zip(computed, self._run_schedule(to_compute, forward_only=True)))
             if self.ctx.is_last_stage:
-                for mb, logprobs_bs in zip(micro, outputs):
+                for i, mb in enumerate(micro):
                     at_response = mb.response_mask > 0
-                    setattr(mb, attr, torch.where(at_response, logprobs_bs.to(mb.response_mask.dtype), 0.0))
+                    # a rehearsal's rows left uncomputed take the engine's log-probs
+                    logprobs_bs = outputs.get(i, mb.rollout_logprobs[:0]).to(mb.response_mask.dtype)
+                    logprobs_bs = torch.cat([logprobs_bs, mb.rollout_logprobs[len(logprobs_bs) :]])
+                    setattr(mb, attr, torch.where(at_response, logprobs_bs, 0.0))
+
+    def _computed(self, mini_batch: int, micro: list[MicroBatch]) -> list[int]:
+        """Which micro-batches of mini-batch `mini_batch` this policy computes: all of them, or in a rehearsal
+        (trainer.rehearsal_micro_batches = k) the k cheapest of the first mini-batch and none of the others.
+        Cheapest: the fewest tokens x row length (the head's work grows with the tokens, 3 ms each on a CPU core
+        at a 152k vocabulary; the local layers' attention scores with rows x length^2: a 16k-token row took 4.4
+        GB). Every rank takes the same number from the same mini-batches, so the collectives match."""
+        k = self.settings.rehearsal_micro_batches
+        if k == 0:
+            return list(range(len(micro)))
+        if mini_batch > 0:
+            return []
+        cost = [mb.tokens.numel() * mb.tokens.shape[1] for mb in micro]
+        return sorted(sorted(range(len(micro)), key=lambda i: (cost[i], i))[:k])
+
+    def _rehearsal_cut(self, mb: MicroBatch) -> MicroBatch:
+        """In a rehearsal, a computed micro-batch's first rows within REHEARSAL_TOKENS tokens (a view): one row
+        at least. The whole micro-batch is still built and held; only the compute is cut."""
+        if not self.settings.rehearsal_micro_batches or mb.segment_ids is not None:  # packed rows: kept whole
+            return mb
+        return _first_rows(mb, max(1, REHEARSAL_TOKENS // mb.tokens.shape[1]))
 
     def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
         """Set `sample.<attr>` (a list) for the samples this rank trains on (last pipeline stage only): for
@@ -409,8 +441,12 @@ class MegatronActor(PolicyRunner):
     def _train_step(self, batches: StepBatches) -> dict[str, float]:
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
-        for micro in batches.mini_batches:
-            sums = self._reduce(self._gradients(micro))
+        for j, micro in enumerate(batches.mini_batches):
+            computed = self._computed(j, micro)
+            if not computed:  # a rehearsal's mini-batch left uncomputed: no update (the same on every rank)
+                skipped += 1
+                continue
+            sums = self._reduce(self._gradients([self._rehearsal_cut(micro[i]) for i in computed]))
             totals += sums
             if sums[1] == 0:  # no loss token left (all masked or guarded): an Adam step would still move
                 skipped += 1
@@ -654,6 +690,17 @@ def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]
     """
     rows_max, length_max = max(len(rows) for rows, _ in plans), max(length for _, length in plans)
     return [(rows + [-1] * (rows_max - len(rows)), length_max) for rows, _ in plans]
+
+
+def _first_rows(mb: MicroBatch, rows: int) -> MicroBatch:
+    """The micro-batch's first `rows` rows (views of its tensors); itself when it has no more."""
+    if rows >= mb.tokens.shape[0]:
+        return mb
+    cut = {k: (v[:rows] if isinstance(v, torch.Tensor) else v) for k, v in vars(mb).items()}
+    cut["sample_index"] = mb.sample_index[:rows]
+    cut["segments"] = [segment for segment in mb.segments if segment[1] < rows]
+    cut["real_tokens"] = mb.real_tokens * rows // mb.tokens.shape[0]  # (a statistic only)
+    return MicroBatch(**cut)
 
 
 def _one_row(mb: MicroBatch) -> MicroBatch:
