@@ -8,6 +8,7 @@
     dapo-mcore plan CONFIG.yaml [overrides] [--gpu-gb 80]    per-GPU memory of a layout, without a GPU
     dapo-mcore check CONFIG.yaml [section.key=value ...]     every file the run reads is in place (before sbatch)
     dapo-mcore plot RUN_DIR [--keys K ...] [--out FILE]      the run's metrics as a grid of plots, or chosen ones
+    dapo-mcore rehearse CONFIG.yaml [--mode full-count] [...]  the recipe's real counts through the loop on the CPU
 
 Bad input (config, data, layout, checkpoint) ends with one line naming the problem and exit code 2; a rollout
 engine that fails ends with one line naming the engine, the call and the cause (its traceback logged above
@@ -69,6 +70,15 @@ examples:
   dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32
   dapo-mcore keys algorithm.overlong                             keys with their defaults and descriptions
   dapo-mcore plot runs/smoke_cpu --keys 'time/*' actor/entropy   chosen metrics, one panel each
+  dapo-mcore rehearse examples/dapo_qwen2.5_32b_h100.yaml --gpus 32 --model-config examples/models/Qwen2.5-32B
+""",
+    "rehearse": """\
+examples:
+  dapo-mcore rehearse examples/dapo_qwen2.5_7b_h100.yaml --model-config examples/models/Qwen2.5-7B
+  dapo-mcore rehearse examples/dapo_qwen2.5_32b_h100.yaml --gpus 32 --model-config examples/models/Qwen2.5-32B \\
+      --mode full-count --mean-len 8192
+  dapo-mcore rehearse examples/dapo_qwen3_30b_a3b_h100.yaml model.routing_replay=rollout \\
+      --model-config examples/models/Qwen3-30B-A3B
 """,
     "train": """\
 examples:
@@ -120,14 +130,15 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
         cmd.set_defaults(func=func)
         if name == "check":
-            cmd.add_argument("--gpus", type=int, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
-            cmd.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
+            cmd.add_argument("--gpus", type=_count, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
+            cmd.add_argument("--gpu-gb", type=_size, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
     keys = _command_parser(sub.add_parser, "keys", help="list config keys with their defaults and descriptions")
     keys.add_argument("prefix", nargs="?", default="", help="only the keys starting with it, e.g. algorithm.overlong")
     keys.set_defaults(func=_list_keys)
     _add_eval_parser(sub)
     _add_plan_parser(sub)
     _add_plot_parser(sub)
+    _add_rehearse_parsers(sub)
     ckpt = sub.add_parser("checkpoint", help="check saves without loading them")
     ckpt_sub = ckpt.add_subparsers(required=True, metavar="ACTION")
     verify = ckpt_sub.add_parser("verify", help="sizes and CRC-32 of every file of a save, its saves, or a run's")
@@ -145,7 +156,7 @@ def _add_eval_parser(sub) -> None:
         "model", help="HF model directory, Megatron-Core checkpoint / run save (step_N/), or run directory"
     )
     cmd.add_argument("--data", nargs="+", required=True, help="prompt files (.jsonl of {prompt, answer})")
-    cmd.add_argument("--k", type=int, default=TrainerConfig.eval_k, help="answers per problem (default %(default)s)")
+    cmd.add_argument("--k", type=_count, default=TrainerConfig.eval_k, help="answers per problem (default %(default)s)")
     cmd.add_argument(
         "--engine",
         default="hf",
@@ -158,7 +169,9 @@ def _add_eval_parser(sub) -> None:
     paper = "(default %(default)s: the DAPO paper's AIME evaluation, avg@32 at temperature 1.0, top-p 0.7)"
     cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=f"sampling {paper}")
     cmd.add_argument("--top-p", type=float, default=TrainerConfig.eval_top_p, help=f"nucleus sampling {paper}")
-    cmd.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer in tokens (default %(default)s)")
+    cmd.add_argument(
+        "--max-new-tokens", type=_count, default=1024, help="longest answer in tokens (default %(default)s)"
+    )
     cmd.add_argument(
         "--template", default="none", choices=["none", "chat"],
         help="chat: wrap each problem in the model's chat template (default %(default)s: plain text)",
@@ -191,10 +204,57 @@ def _add_plan_parser(sub) -> None:
     )
     cmd.add_argument("config", help="recipe YAML (see examples/)")
     cmd.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    cmd.add_argument("--gpu-gb", type=float, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
+    cmd.add_argument("--gpu-gb", type=_size, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
     cmd.add_argument("--model-config", help="config.json or its directory, when model.hf_path has no weights yet")
-    cmd.add_argument("--gpus", type=int, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
+    cmd.add_argument("--gpus", type=_count, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
     cmd.set_defaults(func=_plan)
+
+
+def _add_rehearse_parsers(sub) -> None:
+    cmd = _command_parser(
+        sub.add_parser,
+        "rehearse",
+        help="the recipe's step at its real counts through the real loop on the CPU: memory and bytes per rank",
+    )
+    cmd.add_argument("recipe", help="recipe YAML (see examples/)")
+    cmd.add_argument("overrides", nargs="*", help="section.key=value overrides of the recipe, right after it (the "
+                     "rehearsal's own settings, rehearse/setup.py, come after them)")  # fmt: skip
+    cmd.add_argument("--mode", choices=("per-rank", "full-count"), default="per-rank",
+                     help="per-rank: each process carries one recipe rank's share, at several N (default); "
+                          "full-count: the step's global counts on --world-size processes")  # fmt: skip
+    cmd.add_argument("--world-size", type=_count, nargs="+", help="processes (default: 2 4 8 per-rank, 2 full-count)")
+    cmd.add_argument("--gpus", type=_count, default=8, help="the recipe's GPUs, whose per-rank share is rehearsed "
+                     "and to which growth is projected (default 8; the recipes' headers say theirs)")  # fmt: skip
+    cmd.add_argument("--mean-len", type=_size, default=2048, help="mean answer length in tokens (default 2048)")
+    cmd.add_argument("--steps", type=_count, help="steps of each run (default: 2 per-rank, 1 full-count)")
+    cmd.add_argument("--load", type=_share, help="per-rank: the share of one recipe rank's load each process "
+                     "carries (default: about 2M generated tokens a round, at most 1)")  # fmt: skip
+    cmd.add_argument("--micro-batches", type=_at_least_zero, default=1, help="micro-batches the actor computes a step "
+                     "(trainer.rehearsal_micro_batches; 0: all, for small models and counts)")  # fmt: skip
+    cmd.add_argument("--no-save", action="store_true", help="no save at the end and no resume launch")
+    cmd.add_argument("--report-only", action="store_true", help="judge the runs of an earlier rehearsal into --out "
+                     "again (its arguments from DIR/args.json) without running anything")  # fmt: skip
+    cmd.add_argument("--model-config", help="config.json or its directory, when model.hf_path has no weights")
+    cmd.add_argument("--gpu-gb", type=_size, default=80.0, help="memory of one GPU for the planner (default 80)")
+    cmd.add_argument("--out", help="where the runs and report.md go (default runs/rehearsal/NAME-MODE-LEN)")
+    cmd.set_defaults(func=_rehearse)
+    rank = sub.add_parser("rehearse-rank", help=argparse.SUPPRESS)  # what rehearse launches under torchrun
+    rank.add_argument("--records", required=True)
+    rank.add_argument("recipe")
+    rank.add_argument("overrides", nargs="*")
+    rank.set_defaults(func=_rehearse_rank)
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from dapo_mcore.rehearse.command import rehearse_command
+
+    return rehearse_command(args)
+
+
+def _rehearse_rank(args: argparse.Namespace) -> int:
+    from dapo_mcore.rehearse.command import rank_command
+
+    return rank_command(args)
 
 
 def _add_plot_parser(sub) -> None:
@@ -225,6 +285,28 @@ def _plot(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot: {metrics} has no steps to plot yet")
     print(f"dapo-mcore plot: {out} ({len(panels)} panels: {'; '.join(panel.title for panel in panels)})")
     return 0
+
+
+def _number(kind, ok, wanted: str):
+    """An argparse type: `kind` of the text, refused in one line unless `ok` (e.g. --gpus -8 planned "DP -4")."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is not {wanted}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+_count = _number(int, lambda v: v >= 1, "a count >= 1")
+_at_least_zero = _number(int, lambda v: v >= 0, "a count >= 0")
+_size = _number(float, lambda v: v > 0 and v != float("inf"), "a size > 0")
+_share = _number(float, lambda v: 0 < v <= 1, "a share in (0, 1]")
 
 
 def _command_parser(factory, name: str, **kwargs) -> argparse.ArgumentParser:

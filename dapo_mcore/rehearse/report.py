@@ -1,0 +1,388 @@
+"""The rehearsal's report: per phase and per rank what was measured (probes.py), how each per-rank figure grows
+with the number of ranks when each rank's own share is held (per-rank mode), what holds more than a rank's
+share of the step (full-count mode), and the memory planner's per-GPU figures at the real shape beside them.
+
+A per-rank figure should follow the rank's own share of the step (REFERENCE.md section 6): at a held share it
+stays flat as ranks are added. One that grows is named, with its fitted growth per rank and its value
+projected to the recipe's world; one that holds more elements than the rank's share of the step's tokens is
+named in full-count mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dapo_mcore.plan import MemoryPlan
+from dapo_mcore.rehearse.probes import TOP
+from dapo_mcore.rehearse.setup import HIDDEN, LAYERS, Counts, RecipeShape
+
+PHASES = (
+    *("step", "generate", "reward", "summaries", "exchange", "old_logprobs", "update", "weight_push"),
+    *("save", "restore"),
+)
+MB = 2**20
+# (key, label, how instances of a phase within a step combine, floor: a rise from the fewest ranks to the most
+# below it is noise). The floors are absolute: a rank's figures start from the same baseline at every N (the
+# imports' half a million objects, 0.5-1 GB of RSS), so a share of it would hide what grows.
+QUANTITIES = (
+    ("peak_rss_mb", "peak RSS MB", "max", 64.0),
+    ("sent_mb", "sent MB", "sum", 0.0625),
+    ("received_mb", "received MB", "sum", 0.0625),
+    ("objects", "live objects", "max", 10_000.0),
+    ("tensor_mb", "live tensors MB", "max", 16.0),
+    ("largest_tensor_mb", "largest tensor MB", "max", 16.0),
+    ("longest_container", "longest container", "max", 2000.0),
+    ("seconds", "seconds", "sum", None),  # shown, never judged: 2 cores shared by N processes
+)
+GROWTH_TOLERANCE = 0.1  # and at least this share of the value at the fewest ranks (a bytes figure near zero)
+
+
+def _figures(record: dict[str, Any]) -> dict[str, float]:
+    return {
+        "peak_rss_mb": record["peak_rss_mb"],
+        "sent_mb": record["sent_bytes"] / MB,
+        "received_mb": record["received_bytes"] / MB,
+        "objects": record.get("objects", 0),
+        "tensor_mb": record.get("tensor_bytes", 0) / MB,
+        "largest_tensor_mb": max((t["bytes"] for t in record.get("largest_tensors", [])), default=0) / MB,
+        "longest_container": max((c["len"] for c in record.get("longest_containers", [])), default=0),
+        "seconds": record["seconds"],
+    }
+
+
+@dataclass
+class PhaseFigures:
+    """One phase on one world: each quantity's worst rank, and what holds the largest tensor / container."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    largest_tensors: list[dict[str, Any]] = field(default_factory=list)  # the worst ranks' top objects
+    longest_containers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def largest_tensor(self) -> dict[str, Any]:
+        return self.largest_tensors[0] if self.largest_tensors else {}
+
+
+@dataclass
+class World:
+    """The records of one world size's two launches (train, then the resume)."""
+
+    n: int
+    counts: Counts
+    seconds: float
+    exits: list[dict[str, Any]]
+    processes: list[dict[str, Any]]
+    metrics: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, n: int, counts: Counts, records: Path, run_dir: Path, seconds: float) -> World:
+        exits, processes = [], []
+        for path in sorted(records.glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record.get("event") == "exit":
+                    exits.append(record)
+                elif record.get("event") == "process":
+                    processes.append(record)
+        metrics_path = run_dir / "metrics.jsonl"
+        metrics = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+        return cls(n, counts, seconds, exits, processes, [m for m in metrics if m.get("step", 0) > 0])
+
+    def steps(self) -> list[int]:
+        return sorted({r["step"] for r in self.exits if r["phase"] == "step"})
+
+    def phases(self, step: int | None = None) -> dict[str, PhaseFigures]:
+        """Per phase: per (rank, step) the instances combined (sum of bytes and seconds, max of the rest), then
+        the worst (rank, step); of one step only where given (with the save after it and the restore)."""
+        per_key: dict[tuple[str, int, int], dict[str, float]] = {}
+        out: dict[str, PhaseFigures] = {}
+        for record in self.exits:
+            if step is not None and record["step"] != step and record["phase"] != "restore":
+                continue
+            key = (record["phase"], record["rank"], record["step"] if record["phase"] != "restore" else -1)
+            combined = per_key.setdefault(key, {})
+            for name, value in _figures(record).items():
+                how = next(q[2] for q in QUANTITIES if q[0] == name)
+                combined[name] = combined.get(name, 0.0) + value if how == "sum" else max(combined.get(name, 0), value)
+            figures = out.setdefault(record["phase"], PhaseFigures())
+            _keep_largest(figures, record)
+        for (phase, _, _), combined in per_key.items():
+            values = out[phase].values
+            for name, value in combined.items():
+                values[name] = max(values.get(name, 0.0), value)
+        return out
+
+    def tokens_per_step(self) -> float:
+        """The step's trained answer tokens (all ranks), from the run's metrics."""
+        rows = [m for m in self.metrics if "rollout/response_len_mean" in m]
+        if not rows:
+            return 0.0
+        answers = self.counts.prompts_per_step * _answers_per_prompt(rows[-1])
+        return max(m["rollout/response_len_mean"] for m in rows) * answers
+
+    def summary_line(self) -> str:
+        peak = max((p["peak_rss_mb"] for p in self.processes), default=0.0)
+        return (
+            f"N={self.n}: {self.counts.prompts_per_step} prompts a step, {self.counts.prompts_per_round} a round: "
+            f"done in {self.seconds:.0f} s, peak RSS of a rank {peak:.0f} MB"
+        )
+
+
+def _answers_per_prompt(row: dict[str, Any]) -> int:
+    return int(row.get("rollout/answers_per_prompt", 0)) or 16
+
+
+def _keep_largest(figures: PhaseFigures, record: dict[str, Any]) -> None:
+    """The TOP largest tensors and longest containers of the phase over its ranks and instances (one entry per
+    holder: the same buffer on every rank is named once, at its largest)."""
+    for found, key, size in (
+        (figures.largest_tensors, "largest_tensors", "bytes"),
+        (figures.longest_containers, "longest_containers", "len"),
+    ):
+        for item in record.get(key, []):
+            same = next((f for f in found if f["held_by"] == item["held_by"]), None)
+            if same is None or item[size] > same[size]:
+                if same is not None:
+                    found.remove(same)
+                found.append({**item, "rank": record["rank"]})
+        found.sort(key=lambda f: -f[size])
+        del found[TOP:]
+
+
+@dataclass
+class Growth:
+    """A per-rank quantity across world sizes: values, least-squares growth per rank, projection."""
+
+    phase: str
+    quantity: str
+    worlds: list[int]
+    values: list[float]
+    slope: float
+    projected: float
+    grows: bool
+
+
+def fit(worlds: list[int], values: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (world, value)."""
+    n = len(worlds)
+    mean_w, mean_v = sum(worlds) / n, sum(values) / n
+    var = sum((w - mean_w) ** 2 for w in worlds)
+    slope = sum((w - mean_w) * (v - mean_v) for w, v in zip(worlds, values)) / var if var else 0.0
+    return mean_v - slope * mean_w, slope
+
+
+def growth_table(worlds: list[World], project_to: int, step: int | None = None) -> list[Growth]:
+    """Every (phase, quantity) measured at each world size (at its worst step, or at `step`); `grows` where the
+    value rises by more than its quantity's floor and GROWTH_TOLERANCE of itself from the fewest ranks to the
+    most."""
+    if len(worlds) < 2:
+        return []
+    by_world = [w.phases(step) for w in worlds]
+    sizes = [w.n for w in worlds]
+    out = []
+    for phase in PHASES:
+        if not all(phase in figures for figures in by_world):
+            continue
+        for key, label, _, floor in QUANTITIES:
+            values = [figures[phase].values.get(key, 0.0) for figures in by_world]
+            intercept, slope = fit(sizes, values)
+            rise = values[-1] - values[0]
+            grows = floor is not None and rise > floor and rise > GROWTH_TOLERANCE * values[0]
+            out.append(Growth(phase, label, sizes, values, slope, intercept + slope * project_to, grows))
+    return out
+
+
+# What the rehearsal's own set-up holds, named but not flagged: held_by prefix -> why it is there.
+KNOWN_HOLDERS = {
+    "GlobalMemoryBuffer.buffer": "Megatron's local attention workspace: rows x heads x length^2 of the micro-batch "
+    "being computed (the CPU's local layers; Transformer Engine's fused attention on a GPU keeps none)",
+}
+
+
+def known_holder(held_by: str) -> str | None:
+    return next((why for prefix, why in KNOWN_HOLDERS.items() if held_by.startswith(prefix)), None)
+
+
+def beyond_share(world: World) -> list[str]:
+    """Full-count mode: what holds more elements than 1.5 x this rank's share of the step's tokens (a per-rank
+    array of every token of the step shows up so), except KNOWN_HOLDERS, which are listed with their reason."""
+    share = world.tokens_per_step() / world.n
+    if share <= 0:
+        return []
+    found: dict[str, str] = {}
+    for phase, figures in world.phases().items():
+        items = [(t, _elements(t), f"tensor {t['shape']} {t['dtype']}") for t in figures.largest_tensors]
+        items += [(c, c["len"], f"{c['type']} of {c['len']:,}") for c in figures.longest_containers]
+        for item, elements, what in items:
+            if elements <= 1.5 * share or item["held_by"] in found:
+                continue
+            why = known_holder(item["held_by"])
+            note = f" (not a per-token array: {why})" if why else ""
+            found[item["held_by"]] = (
+                f"{phase}: {what} held by {item['held_by']} (rank {item['rank']}): {elements:,} elements, over 1.5 x "
+                f"the rank's share of the step ({share:,.0f} tokens){note}"
+            )
+    return list(found.values())
+
+
+def _elements(tensor: dict[str, Any]) -> int:
+    n = 1
+    for size in tensor.get("shape", [0]):
+        n *= size
+    return n
+
+
+@dataclass
+class Rehearsal:
+    recipe: str
+    name: str
+    mode: str
+    shape: RecipeShape
+    mean_len: float
+    load: float
+    steps: int
+    micro_batches: int
+    plan: MemoryPlan
+    saves: bool = True
+    worlds: list[World] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def header(self) -> str:
+        s, when = self.shape, time.strftime("%Y-%m-%d %H:%M", time.localtime(self.started))
+        lines = [
+            f"# Rehearsal of {self.recipe} ({self.mode}), {when}",
+            "",
+            f"- machine: {platform.machine()}, {os.cpu_count()} cores, {_host_memory_gib():.0f} GiB",
+            f"- the recipe's step: {s.prompts_per_step} prompts x {s.answers_per_prompt} answers, rounds of "
+            f"{s.prompts_per_round} prompts, {s.updates_per_step} updates; mean answer {self.mean_len:g} tokens "
+            f"(lognormal, cut at {s.max_response_len}); on {s.gpus} GPUs: actor DP {s.dp}, {s.replicas} engine "
+            "replicas",
+            f"- model: the recipe's vocabulary, experts and top-k; hidden {HIDDEN}, {LAYERS} layers "
+            "(rehearse/setup.py)",
+            f"- each process: one actor DP rank and one synthetic engine replica, {self.steps} step(s)"
+            + (", a save and its resume (a second launch)" if self.saves else ", no save"),
+        ]
+        if self.mode == "per-rank":
+            lines.append(f"- per-rank load: {self.load:.3g} x one recipe rank's share (the same at every N)")
+        if self.micro_batches:
+            lines.append(
+                f"- the actor computes {self.micro_batches} micro-batch(es) a step (trainer.rehearsal_micro_batches); "
+                "every other one is built and held as in training"
+            )
+        return "\n".join(lines)
+
+
+def _host_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
+
+
+def _format_phase_table(world: World) -> list[str]:
+    figures = world.phases()
+    head = "| phase | " + " | ".join(label for _, label, _, _ in QUANTITIES) + " | largest tensor (held by) |"
+    lines = [head, "|" + "---|" * (len(QUANTITIES) + 2)]
+    for phase in PHASES:
+        if phase not in figures:
+            continue
+        f = figures[phase]
+        cells = [_cell(f.values.get(key, 0.0)) for key, _, _, _ in QUANTITIES]
+        tensor = f.largest_tensor
+        held = f"{tensor.get('shape')} {tensor.get('dtype')} ({tensor.get('held_by')})" if tensor else ""
+        lines.append(f"| {phase} | " + " | ".join(cells) + f" | {held} |")
+    return lines
+
+
+def _cell(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def format_report(rehearsal: Rehearsal) -> str:
+    lines = [rehearsal.header(), ""]
+    for world in rehearsal.worlds:
+        c = world.counts
+        lines += [
+            f"## {world.n} processes: {c.prompts_per_step} prompts a step, {c.prompts_per_round} a round, "
+            f"{c.mini_batch_size} answers an update ({world.seconds:.0f} s)",
+            "",
+            "Per phase, the worst rank (bytes and seconds summed over a step's rounds, the rest at their peak):",
+            "",
+            *_format_phase_table(world),
+            "",
+        ]
+    growth = growth_table(rehearsal.worlds, rehearsal.shape.gpus)
+    flagged = [g for g in growth if g.grows]
+    if growth:
+        sizes = "".join(f" N={n} |" for n in growth[0].worlds)
+        lines += [
+            f"## Growth with the number of ranks, each rank's share held (projected to {rehearsal.shape.gpus} ranks)",
+            "",
+            f"|phase | quantity |{sizes} per added rank | at {rehearsal.shape.gpus} | grows |",
+            "|---|---|" + "---|" * (len(growth[0].worlds) + 3),
+        ]
+        for g in growth:
+            cells = " | ".join(_cell(v) for v in g.values)
+            lines.append(
+                f"| {g.phase} | {g.quantity} | {cells} | {g.slope:+.3g} | {_cell(g.projected)} | "
+                f"{'**yes**' if g.grows else ''} |"
+            )
+        lines.append("")
+    found = [f"{g.phase}: {g.quantity} grows with the ranks ({_values(g)})" for g in flagged]
+    if rehearsal.mode == "full-count":
+        for world in rehearsal.worlds:
+            found += beyond_share(world)
+    lines += ["## Named", ""] + ([f"- {item}" for item in found] or ["- nothing grows with the global count"])
+    lines += ["", *_plan_lines(rehearsal.plan, rehearsal.shape.gpus)]
+    return "\n".join(lines) + "\n"
+
+
+def _values(g: Growth) -> str:
+    return ", ".join(f"{_cell(v)} at N={n}" for n, v in zip(g.worlds, g.values)) + f"; {_cell(g.projected)} projected"
+
+
+def _plan_lines(plan: MemoryPlan, gpus: int) -> list[str]:
+    lines = [
+        f"## The planner at the real shape (per GPU, {gpus} GPUs, {plan.layout})",
+        "",
+        "| phase | GiB |",
+        "|---|---|",
+    ]
+    lines += [f"| {phase.name} | {phase.total / 2**30:.1f} |" for phase in plan.phases]
+    return lines
+
+
+def write_report(rehearsal: Rehearsal, out: Path) -> str:
+    text = format_report(rehearsal)
+    (out / "report.md").write_text(text)
+    growth = growth_table(rehearsal.worlds, rehearsal.shape.gpus)
+    data = {
+        "recipe": rehearsal.recipe,
+        "mode": rehearsal.mode,
+        "shape": asdict(rehearsal.shape),
+        "mean_len": rehearsal.mean_len,
+        "load": rehearsal.load,
+        "worlds": [
+            {
+                "n": w.n,
+                "counts": asdict(w.counts),
+                "seconds": w.seconds,
+                "phases": {k: asdict(v) for k, v in w.phases().items()},
+                "processes": w.processes,
+            }
+            for w in rehearsal.worlds
+        ],
+        "growth": [asdict(g) for g in growth],
+        "growth_by_step": {
+            step: [asdict(g) for g in growth_table(rehearsal.worlds, rehearsal.shape.gpus, step)]
+            for step in (rehearsal.worlds[0].steps() if rehearsal.worlds else [])
+        },
+    }
+    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    return text

@@ -1,0 +1,158 @@
+"""The rehearsal's parts on one process: its counts and shrunk model (rehearse/setup.py), what it counts of each
+collective and of the live objects (probes.py), how the report judges growth (report.py). The whole command
+runs in tests/dist/test_rehearsal.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dapo_mcore.config import load_config, validate
+from dapo_mcore.rehearse import probes
+from dapo_mcore.rehearse.report import Growth, fit, growth_table
+from dapo_mcore.rehearse.setup import RecipeShape, full_counts, per_rank_counts, rehearsal_overrides, shrink_model
+from dapo_mcore.utils.errors import ConfigError
+from dapo_mcore.utils.timers import PhaseTimer, observing, phase_scope
+from tests.conftest import REPO
+
+RECIPE_32B = REPO / "examples/dapo_qwen2.5_32b_h100.yaml"
+MOE_CONFIG = REPO / "examples/models/Qwen3-30B-A3B/config.json"
+
+
+def test_a_per_rank_process_carries_one_recipe_ranks_share_at_every_world_size():
+    shape = RecipeShape.of(load_config(RECIPE_32B), gpus=32)
+    assert (shape.dp, shape.replicas, shape.updates_per_step) == (4, 4, 16)  # TP 8, engine TP 8
+    for world in (2, 4, 8):
+        counts = per_rank_counts(shape, world, load=1.0)
+        # a rank of the 32-GPU job trains 512 / 4 prompts a step; its replica generates 1536 / 4 a round
+        assert counts.prompts_per_step == world * 128 and counts.prompts_per_round == world * 384
+        assert counts.prompts_per_step * 16 // counts.mini_batch_size == 16  # the recipe's updates a step
+    assert per_rank_counts(shape, 2, load=0.25).prompts_per_step == 2 * 32
+    assert full_counts(shape, 2).prompts_per_step == 512 and full_counts(shape, 2).prompts_per_round == 1536
+
+
+def test_a_world_that_the_layout_does_not_divide_is_refused():
+    with pytest.raises(ConfigError, match="--gpus 12 is not a multiple of the recipe's TP x PP"):
+        RecipeShape.of(load_config(RECIPE_32B), gpus=12)
+
+
+def test_the_shrunk_model_keeps_vocabulary_experts_and_top_k_and_cuts_the_compute(tmp_path):
+    hf = json.loads(MOE_CONFIG.read_text())
+    out = shrink_model(hf, tmp_path / "model", positions=22528)
+    shrunk = json.loads((out / "config.json").read_text())
+    kept = ("vocab_size", "num_experts", "num_experts_per_tok", "model_type")
+    assert {k: shrunk[k] for k in kept} == {k: hf[k] for k in kept}
+    assert (shrunk["hidden_size"], shrunk["num_hidden_layers"], shrunk["head_dim"]) == (64, 2, 16)
+    assert shrunk["max_position_embeddings"] == 40960 and shrunk["eos_token_id"] == 2  # the demo tokenizer's
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_the_rehearsal_config_loads_over_a_recipe(tmp_path):
+    shape = RecipeShape.of(load_config(RECIPE_32B), gpus=32)
+    model = shrink_model(json.loads((REPO / "examples/models/Qwen2.5-32B/config.json").read_text()), tmp_path / "m")
+    overrides = rehearsal_overrides(per_rank_counts(shape, 2, 0.1), model, tmp_path / "run", 8192, 2, 1)
+    cfg = load_config(RECIPE_32B, overrides)
+    validate(cfg)
+    assert (cfg.rollout.engine, cfg.parallel.tensor_model_parallel_size, cfg.trainer.rehearsal_micro_batches) == (
+        "synthetic",
+        1,
+        1,
+    )
+    assert cfg.rollout.synthetic.mean_len_first == cfg.rollout.synthetic.mean_len_last == 8192
+
+
+def test_rehearsal_micro_batches_are_refused_outside_a_rehearsal():
+    with pytest.raises(ConfigError, match="trainer.rehearsal_micro_batches leaves most of a step untrained"):
+        validate(load_config(REPO / "examples/smoke_cpu.yaml", ["trainer.rehearsal_micro_batches=1"]))
+
+
+@pytest.mark.parametrize(
+    "name, arguments, expected",
+    [
+        ("all_reduce", {"tensor": torch.zeros(10)}, (40, 40)),
+        ("all_gather", {"tensor_list": [torch.zeros(3)] * 4, "tensor": torch.zeros(3)}, (12, 48)),
+        ("all_gather_into_tensor", {"output_tensor": torch.zeros(40), "input_tensor": torch.zeros(10)}, (40, 160)),
+        ("reduce_scatter_tensor", {"output": torch.zeros(10), "input": torch.zeros(40)}, (160, 40)),
+        ("all_to_all_single", {"output": torch.zeros(7), "input": torch.zeros(5)}, (20, 28)),
+        ("broadcast", {"tensor": torch.zeros(2), "src": 3}, (0, 8)),
+        ("broadcast", {"tensor": torch.zeros(2), "src": 0}, (8, 0)),
+    ],
+)
+def test_each_collective_counts_the_buffers_it_reads_and_writes_on_this_rank(monkeypatch, name, arguments, expected):
+    """A collective over a fixed tensor stays flat as ranks are added; a gather's output grows with them."""
+    monkeypatch.setattr(probes, "_group_rank_size", lambda group: (0, 4))
+    monkeypatch.setattr(probes.dist, "get_rank", lambda: 0)
+    assert probes._payload(name, arguments) == expected
+
+
+def test_the_counter_wraps_the_collectives_and_gives_them_back():
+    original = torch.distributed.all_reduce
+    counter = probes.ByteCounter().install()
+    try:
+        assert torch.distributed.all_reduce is not original and torch.distributed.all_reduce.__wrapped__ is original
+    finally:
+        counter.uninstall()
+    assert torch.distributed.all_reduce is original
+
+
+def test_the_census_finds_the_largest_tensor_and_names_what_holds_it():
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.big_tensor = torch.zeros(3_000_000)
+    holder.long_list = list(range(3_000_000))
+    found = probes.census()
+    largest, longest = found["largest_tensors"][0], found["longest_containers"][0]
+    assert largest["bytes"] == 12_000_000 and largest["held_by"] == "Holder.big_tensor"
+    assert longest["len"] == 3_000_000 and longest["held_by"] == "Holder.long_list"
+    holder.nested = {"buffers": [torch.zeros(4_000_000)]}  # a holder's dict of lists: named down the path
+    assert probes.census()["largest_tensors"][0]["held_by"] == "Holder.nested['buffers'][0]"
+
+
+def test_a_probe_records_each_phase_with_its_own_peak_and_the_parents_includes_it(tmp_path):
+    probe = probes.RankProbe(tmp_path / "rank0.jsonl", probes.ByteCounter(), census_phases=False)
+    timer = PhaseTimer()
+    with observing(probe), phase_scope("step"):
+        with timer.phase("generate"):
+            held = bytearray(200 * 2**20)  # 200 MB, touched
+            held[::4096] = b"x" * len(held[::4096])
+            del held
+        with timer.phase("update"):
+            pass
+    probe.finish()
+    records = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    exits = {r["phase"]: r for r in records if r["event"] == "exit"}
+    assert [r["phase"] for r in records if r["event"] == "enter"] == ["step", "generate", "update"]
+    assert exits["generate"]["peak_rss_mb"] > exits["update"]["peak_rss_mb"] + 150
+    assert exits["step"]["peak_rss_mb"] >= exits["generate"]["peak_rss_mb"]
+    assert records[-1]["event"] == "process" and records[-1]["peak_rss_mb"] >= exits["generate"]["peak_rss_mb"]
+    assert timer.pop().keys() == {"time/generate_s", "time/update_s"}
+
+
+def test_the_fit_and_projection_of_a_quantity_that_grows_with_the_ranks():
+    assert fit([2, 4, 8], [3.0, 5.0, 9.0]) == pytest.approx((1.0, 1.0))
+    growth = Growth("exchange", "received MB", [2, 4, 8], [3.0, 5.0, 9.0], 1.0, 33.0, True)
+    assert growth.projected == 1.0 + 1.0 * 32
+
+
+class _World:
+    def __init__(self, n, received):
+        self.n, self.received = n, received
+
+    def phases(self, step=None):
+        from dapo_mcore.rehearse.report import PhaseFigures
+
+        return {"exchange": PhaseFigures(values={"received_mb": self.received, "peak_rss_mb": 500.0})}
+
+
+def test_growth_is_named_past_its_tolerance_and_floor_and_not_below():
+    flat = growth_table([_World(2, 1.0), _World(4, 1.02), _World(8, 1.05)], project_to=64)
+    assert not [g for g in flat if g.grows]
+    doubling = growth_table([_World(2, 1.0), _World(4, 2.0), _World(8, 4.0)], project_to=64)
+    received = next(g for g in doubling if g.quantity == "received MB")
+    assert received.grows and received.projected == pytest.approx(received.slope * 64 + (4.0 - received.slope * 8))
+    tiny = growth_table([_World(2, 0.001), _World(4, 0.002)], project_to=64)  # doubles, but below 64 KB
+    assert not [g for g in tiny if g.grows]
