@@ -153,6 +153,7 @@ class CheckpointManager:
             self._writing = (tmp, final)
             log.info("checkpoint %s: writing in the background (%.1f s blocked)", final, time.perf_counter() - start)
         else:
+            self._replace_dead_manager()  # died since the step boundary: the save would fail on its queue
             try:
                 dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
                 finish()
@@ -200,7 +201,8 @@ class CheckpointManager:
         """A background save that failed (a full disk in the writer process, on any rank: Megatron-Core raises
         it on every rank when finalizing) ends like a failed synchronous one (_abandon). A writer process that
         died (killed, out of memory) is found here first, on every rank alike: see _check_writers."""
-        if self._async_queue is None:
+        if self._async_queue is None:  # synchronous saves write through the same results queue
+            self._replace_dead_manager()
             return
         self._check_writers()
         if self._writing is None:
@@ -242,6 +244,15 @@ class CheckpointManager:
             f"the background save {final} was lost: {'; '.join(problems)}; its partial directory was removed, "
             "`latest` and every earlier save are kept"
         )
+
+    def _replace_dead_manager(self) -> None:
+        """A dead write-results manager replaced before a synchronous save needs its queue (a kill -9 of it used
+        to cost every step since the last save: the save failed with ConnectionRefusedError and a line about
+        disk space). This rank's own; each rank replaces its own."""
+        if (process := _dead_writer_manager()) is not None:
+            log.warning("checkpoint writer: rank %d: the write-results manager process (pid %d) %s; started a new one",
+                        self.ctx.rank, process.pid, _fate(process))  # fmt: skip
+            _restart_writer_manager()
 
     def _writer_problem(self) -> str | None:
         """This rank's dead writer-side process, named; None when every one is alive or ended normally."""

@@ -29,3 +29,20 @@ def test_a_dead_write_results_manager_is_replaced_and_a_save_it_took_down_is_mad
     assert verify_complete(ckpt / "step_000003", checksums=True) > 0
     assert (ckpt / "latest").read_text().strip() == "step_000003"
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
+
+
+def test_with_synchronous_saves_a_dead_write_results_manager_is_replaced_before_the_save_needs_it(tmp_path):
+    """checkpoint.async_save=false (the default): the manager killed in step 1 and again in step 2 is replaced at
+    each step boundary, and step 2's save is made (it failed with ConnectionRefusedError and a line about free
+    disk space, losing every step since the last save)."""
+    run_dir = tmp_path / "run"
+    proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=3", "checkpoint.save_interval=2",
+               "logging.wandb.mode=disabled", "logging.progress=false",
+               "algorithm.dynamic_sampling.filter=tests.verifiers:kill_checkpoint_writer_manager",
+               f"logging.run_dir={run_dir}")  # fmt: skip
+    for step in (1, 2):
+        pid = (run_dir / f"killed-{step}").read_text()
+        assert f"the write-results manager process (pid {pid}) was killed by signal 9; started a new one" in proc.stderr
+    ckpt = run_dir / "checkpoints"
+    assert verify_complete(ckpt / "step_000002", checksums=True) > 0
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
