@@ -121,3 +121,21 @@ def test_check_names_what_optimizer_cpu_offload_needs(tmp_path):
         "  - optimizer.cpu_offload (Megatron's precision-aware optimizer) needs Transformer Engine: "
         "transformer_engine is not installed" in on_gpu.stderr
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "-8"], "argument --gpus: -8 is not a count >= 1"),  # planned "DP -4" with negative memory
+        (["--gpus", "0"], "argument --gpus: 0 is not a count >= 1"),  # silently planned for 8
+        (["--gpu-gb", "-80"], "argument --gpu-gb: -80 is not a size > 0"),
+        (["--gpu-gb", "nan"], "argument --gpu-gb: nan is not a size > 0"),
+        (["--gpus", "eight"], "argument --gpus: 'eight' is not a number"),
+    ],
+)
+def test_plan_refuses_counts_and_sizes_that_are_not_positive(args, message, capsys):
+    from dapo_mcore.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "examples/smoke_cpu.yaml", *args])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
