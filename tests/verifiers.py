@@ -24,6 +24,32 @@ def raise_on_boom(response: str, reference: str) -> bool:
     return is_correct(response, reference)
 
 
+def always_raise(response: str, reference: str) -> bool:
+    """A verifier with a bug on every answer (every reward was -1 without a word)."""
+    raise KeyError("reference_answer")
+
+
+def raise_on_odd_length(response: str, reference: str) -> bool:
+    """A verifier with a bug on some answers only."""
+    if len(response) % 2:
+        raise KeyError("reference_answer")
+    return is_correct(response, reference)
+
+
+def string_false(response: str, reference: str) -> str:
+    """Returns "False", which bool() takes for true: every answer was right."""
+    return "False"
+
+
+def not_a_number(response: str, reference: str) -> float:
+    return float("nan")
+
+
+def a_score(response: str, reference: str) -> float:
+    """A verifier that returns a number in [0, 1]: correct from 0.5."""
+    return 0.75 if is_correct(response, reference) else 0.25
+
+
 def die_on_crash(response: str, reference: str) -> bool:
     """Kills its own process, as a segfault or the OOM killer would."""
     import os

@@ -92,6 +92,7 @@ class Sample:
     # and the total reward R_i.
     correct: bool = False
     timed_out: bool = False
+    verify_error: bool = False  # the verifier raised on it (counted as wrong)
     length_penalty: float = 0.0
     reward: float = 0.0
     # Set from the group: A_i, and whether the sample's tokens enter the loss (overlong filtering).

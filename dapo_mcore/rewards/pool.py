@@ -4,15 +4,19 @@ A check that outlives `timeout_s` is counted as wrong (and as a timeout); its wo
 one takes its place. A worker that died (killed, out of memory) is replaced too: found dead before it is given
 a check, the check goes to its replacement; dying during a check, that check counts as wrong. A worker is used
 once it reports that its verifier is imported, so start-up time never counts against a check. A verifier that
-raises counts as wrong and its error is kept. With workers=0 the checks run in-process without a timeout
-(debugging only).
+raises counts as wrong and its traceback is kept; one that returns what is no verdict (correct_of) is marked
+invalid, which the caller refuses (rollout/user_functions.py). With workers=0 the checks run in-process without
+a timeout (debugging only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
+import numbers
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +42,34 @@ BUILTIN_VERIFIERS = {
 class Verdict:
     correct: bool
     timed_out: bool = False
-    error: str | None = None
+    error: str | None = None  # the verifier raised: its traceback (the check counts as wrong)
+    invalid: str | None = None  # the verifier returned what is no verdict: what, and what is wanted
+
+
+VERDICT_CONTRACT = "a verifier returns a bool, or a number in [0, 1] (correct from 0.5)"
+
+
+def correct_of(value: object) -> bool:
+    """A verifier's return value as a verdict: a bool, or a finite number in [0, 1] (correct from 0.5). Anything
+    else (NaN, a string such as "False", None, a tensor) is a ValueError naming it: bool() of it decided every
+    reward without a word ("False" and NaN are true)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's too
+        return bool(value)
+    if isinstance(value, numbers.Real) and math.isfinite(value) and 0 <= value <= 1:
+        return value >= 0.5
+    raise ValueError(f"returned {value!r} ({type(value).__name__}): {VERDICT_CONTRACT}")
+
+
+def _check(verifier: Callable[[str, str], object], response: str, reference: str) -> Verdict:
+    """One check in this process: the verdict, the traceback of an exception, or what was wrong with the value."""
+    try:
+        value = verifier(response, reference)
+    except Exception:  # a verifier bug must not kill the worker: counted, and its traceback kept
+        return Verdict(correct=False, error=traceback.format_exc())
+    try:
+        return Verdict(correct=correct_of(value))
+    except ValueError as err:
+        return Verdict(correct=False, invalid=str(err))
 
 
 def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
@@ -56,10 +87,8 @@ def _worker_main(conn, spec: str) -> None:
         if task is None:
             return
         index, response, reference = task
-        try:
-            conn.send((index, bool(verifier(response, reference)), None))
-        except Exception as err:  # a verifier bug must not kill the worker
-            conn.send((index, False, f"{type(err).__name__}: {err}"))
+        verdict = _check(verifier, response, reference)
+        conn.send((index, verdict.correct, verdict.error, verdict.invalid))
 
 
 class _Worker:
@@ -109,11 +138,11 @@ class VerifierPool:
         for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
             w = conns[conn]
             try:
-                task, correct, error = conn.recv()
+                task, correct, error, invalid = conn.recv()
             except (EOFError, OSError):  # the worker died (crash, out of memory)
-                task, correct, error = busy[w][0], False, "verifier worker died"
+                task, correct, error, invalid = busy[w][0], False, "verifier worker died", None
                 self._replace_dead(w, "during a check, which counts as wrong")
-            results[task] = Verdict(correct=correct, error=error)
+            results[task] = Verdict(correct=correct, error=error, invalid=invalid)
             del busy[w]
 
     def _expire(self, busy, results) -> None:
@@ -151,10 +180,7 @@ class VerifierPool:
         self._workers[w] = self._start()
 
     def _verify_inline(self, response: str, reference: str) -> Verdict:
-        try:
-            return Verdict(correct=bool(self._verifier(response, reference)))
-        except Exception as err:
-            return Verdict(correct=False, error=f"{type(err).__name__}: {err}")
+        return _check(self._verifier, response, reference)
 
     def close(self) -> None:
         for worker in self._workers:

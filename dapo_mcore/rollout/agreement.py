@@ -111,9 +111,10 @@ class AgreedVerify:
         self.calls += 1
         if self.role.leader:
             verdicts = self.verify(pairs)
-            self.board.publish(key, json.dumps([[v.correct, v.timed_out, v.error] for v in verdicts]).encode())
+            published = [[v.correct, v.timed_out, v.error, v.invalid] for v in verdicts]
+            self.board.publish(key, json.dumps(published).encode())
             return verdicts
-        return [Verdict(bool(c), bool(t), e) for c, t, e in json.loads(self.role.read_once(self.board, key))]
+        return [Verdict(bool(c), bool(t), e, i) for c, t, e, i in json.loads(self.role.read_once(self.board, key))]
 
 
 class RoundControl:

@@ -57,6 +57,7 @@ class SampleSummary:
     # The shape of the sample's routed experts (rows, layers, k); () when the engine returned none.
     routing_shape: tuple[int, ...] = ()
     routing_dropped: bool = False
+    verify_error: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -94,6 +95,7 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
             finish_reason=s.finish_reason,
             correct=s.correct,
             timed_out=s.timed_out,
+            verify_error=s.verify_error,
             length_penalty=s.length_penalty,
             reward=s.reward,
             trainable=s.trainable,
@@ -290,6 +292,7 @@ def _sample(s: SampleSummary, prompt_ids, response_ids, logprobs) -> Sample:
         version_runs=[[v, n] for v, n in s.version_runs],
         correct=s.correct,
         timed_out=s.timed_out,
+        verify_error=s.verify_error,
         length_penalty=s.length_penalty,
         reward=s.reward,
         trainable=s.trainable,

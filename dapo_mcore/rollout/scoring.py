@@ -14,7 +14,7 @@ from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.data.types import Group
 from dapo_mcore.rewards.pool import Verdict
-from dapo_mcore.rollout.user_functions import kept_by, verified
+from dapo_mcore.rollout.user_functions import VerdictCheck, kept_by, verified
 
 if TYPE_CHECKING:  # the sampler imports this module
     from dapo_mcore.rollout.sampler import SamplerSettings
@@ -31,6 +31,7 @@ class GroupScoring:
         keep_filter: Callable[[Group], bool],
     ):
         self.settings, self.verify, self.keep_filter = settings, verify, keep_filter
+        self.check_verdicts = VerdictCheck(verify)
 
     def judge(self, group: Group) -> bool:
         """Score a group whose answers have all ended and say whether the filter keeps it (QuotaStopper)."""
@@ -43,6 +44,7 @@ class GroupScoring:
             if earlier is not None:
                 for sample, scored in zip(group.samples, earlier.samples):
                     sample.correct, sample.timed_out = scored.correct, scored.timed_out
+                    sample.verify_error = scored.verify_error
         self.score([g for g, earlier in zip(groups, judged) if earlier is None])
         self.apply_rewards([g for g, earlier in zip(groups, judged) if earlier is not None])
 
@@ -52,8 +54,9 @@ class GroupScoring:
             return
         # a verify that raises is named as such, not as the engine it raised inside (partial rollout)
         verdicts = verified(self.verify, [(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
+        self.check_verdicts(verdicts, f"checking the {len(samples)} answers of {len(groups)} prompts")
         for s, verdict in zip(samples, verdicts):
-            s.correct, s.timed_out = verdict.correct, verdict.timed_out
+            s.correct, s.timed_out, s.verify_error = verdict.correct, verdict.timed_out, verdict.error is not None
         self.apply_rewards(groups)
 
     def apply_rewards(self, groups: list[Group]) -> None:

@@ -36,6 +36,34 @@ def verified(verify: Callable[[list[tuple[str, str]]], list[Verdict]], pairs: li
         raise _user_code_error(VERIFIER_KEY, verify, err, f"checking {len(pairs)} answers") from err
 
 
+class VerdictCheck:
+    """What the verifier's checks say beyond their verdicts, across a run: a value that is no verdict stops the run
+    at once (a bug, the same on every answer); exceptions are counted per answer (reward/verifier_errors), the
+    first one's traceback logged once, and a batch of checks that all raised stops the run (the verifier cannot
+    judge anything: accuracy 0.0 at every step is no training)."""
+
+    def __init__(self, verify: Callable[..., Any]):
+        self.name = function_name(verify)
+        self.logged_error = False
+
+    def __call__(self, verdicts: list[Verdict], where: str) -> int:
+        """The number of checks that raised; a UserCodeError for an invalid value or all checks raising."""
+        invalid = next((v.invalid for v in verdicts if v.invalid), None)
+        if invalid is not None:
+            raise UserCodeError(f"{VERIFIER_KEY}={self.name} {invalid} ({where})")
+        errors = [v.error for v in verdicts if v.error]
+        if errors and not self.logged_error:
+            self.logged_error = True
+            log.error("%s=%s raised on an answer (%s; such checks count as wrong, reward/verifier_errors counts "
+                      "them); its first traceback:\n%s", VERIFIER_KEY, self.name, where,
+                      errors[0].rstrip())  # fmt: skip
+        if errors and len(errors) == len(verdicts):
+            last = errors[0].strip().splitlines()[-1]
+            raise UserCodeError(f"{VERIFIER_KEY}={self.name} raised on every one of {len(verdicts)} answers ({where}): "
+                                f"{last}; its first traceback is logged above")  # fmt: skip
+        return len(errors)
+
+
 def kept_by(keep_filter: Callable[[Group], bool], group: Group) -> bool:
     """Whether the filter keeps `group`, or a UserCodeError naming the filter if it raised."""
     try:

@@ -17,6 +17,7 @@ from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 from dapo_mcore.data.types import Prompt
 from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
 from dapo_mcore.rollout.placement import ReplicaSplit
+from dapo_mcore.rollout.user_functions import VerdictCheck
 
 # correct[i][j], answers[i][j]: answer j to problem i is right / its normalised final answer
 Checked = tuple[list[list[bool]], list[list[str | None]]]
@@ -83,6 +84,7 @@ def answer_and_check(
     answers, in order, as they are checked."""
     correct: list[list[bool]] = []
     answers: list[list[str | None]] = []
+    check_verdicts = VerdictCheck(verify)
     for start in range(0, len(prompts), settings.prompts_per_call):
         chunk = prompts[start : start + settings.prompts_per_call]
         params = SamplingParams(
@@ -94,6 +96,7 @@ def answer_and_check(
         )
         groups = engine.generate([encode(p.text).input_ids for p in chunk], params)
         verdicts = verify([(c.text, p.answer) for p, group in zip(chunk, groups) for c in group])
+        check_verdicts(verdicts, f"on the held-out answers of problems {start}-{start + len(chunk) - 1}")
         for i, group in enumerate(groups):
             group_verdicts = verdicts[i * settings.k : (i + 1) * settings.k]
             correct.append([v.correct for v in group_verdicts])

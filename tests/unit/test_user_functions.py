@@ -79,3 +79,46 @@ def test_the_run_ends_with_one_line_naming_the_filter_and_exit_2(partial, tmp_pa
     assert last.startswith("dapo-mcore: error: algorithm.dynamic_sampling.filter=tests.verifiers:raise_in_filter "
                            "raised ValueError: filter bug"), last  # fmt: skip
     assert "rollout engine" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("tests.verifiers:string_false", "returned 'False' (str): a verifier returns a bool, or a number in [0, 1]"),
+        ("tests.verifiers:not_a_number", "returned nan (float): a verifier returns a bool"),
+    ],
+)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_verifier_value_that_is_no_verdict_stops_the_run_naming_it(spec, message, workers):
+    """bool("False") and bool(nan) are True: every answer was right, without a word."""
+    verify = VerifierPool(spec, workers=workers).verify
+    with pytest.raises(UserCodeError) as err:
+        sampler(False, keep_filter=lambda group: True, verify=verify).next_batch(0, PhaseTimer())
+    assert str(err.value).startswith(f"algorithm.reward.verifier={spec} {message}"), str(err.value)
+
+
+def test_a_number_in_zero_one_is_a_verdict_correct_from_one_half():
+    assert [
+        v.correct for v in VerifierPool("tests.verifiers:a_score", workers=0).verify([("x", "1"), ("Answer: 1", "1")])
+    ] == [
+        False,
+        True,
+    ]
+
+
+def test_a_verifier_that_raises_on_every_answer_stops_the_run_with_its_traceback_logged_once(caplog):
+    verify = VerifierPool("tests.verifiers:always_raise").verify
+    with pytest.raises(UserCodeError) as err:
+        sampler(False, keep_filter=lambda group: True, verify=verify).next_batch(0, PhaseTimer())
+    assert "algorithm.reward.verifier=tests.verifiers:always_raise raised on every one of" in str(err.value)
+    assert "KeyError: 'reference_answer'; its first traceback is logged above" in str(err.value)
+    logged = [r.getMessage() for r in caplog.records if "its first traceback" in r.getMessage()]
+    assert len(logged) == 1 and 'raise KeyError("reference_answer")' in logged[0]
+
+
+def test_a_verifier_that_raises_on_some_answers_is_counted_and_the_run_goes_on(caplog):
+    verify = VerifierPool("tests.verifiers:raise_on_odd_length", workers=0).verify
+    s = sampler(False, keep_filter=lambda group: True, verify=verify)
+    metrics = [s.next_batch(step, PhaseTimer()).metrics for step in range(2)]
+    assert all(m["reward/verifier_errors"] > 0 for m in metrics)
+    assert len([r for r in caplog.records if "its first traceback" in r.getMessage()]) == 1  # once a run
