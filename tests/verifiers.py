@@ -64,6 +64,11 @@ def raise_in_filter(group) -> bool:
     raise ValueError(f"filter bug: no rule for {group.prompt.uid}")
 
 
+def says_no(group) -> str:
+    """A dynamic-sampling filter that returns a string: bool("no") is True, so every group was kept."""
+    return "no"
+
+
 def drop_every_group(group) -> bool:
     """A dynamic-sampling filter that keeps nothing: every step hits the round cap."""
     return False

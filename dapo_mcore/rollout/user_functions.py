@@ -65,13 +65,20 @@ class VerdictCheck:
 
 
 def kept_by(keep_filter: Callable[[Group], bool], group: Group) -> bool:
-    """Whether the filter keeps `group`, or a UserCodeError naming the filter if it raised."""
+    """Whether the filter keeps `group`, or a UserCodeError naming the filter if it raised or returned anything but
+    a bool (bool() of "no" or NaN is True: every group was kept without a word)."""
     try:
-        return bool(keep_filter(group))
+        keep = keep_filter(group)
     except DapoError:
         raise
     except Exception as err:
         raise _user_code_error(FILTER_KEY, keep_filter, err, f"on the group of prompt {group.prompt.uid}") from err
+    if isinstance(keep, bool) or type(keep).__name__ == "bool_":  # numpy's too
+        return bool(keep)
+    raise UserCodeError(
+        f"{FILTER_KEY}={function_name(keep_filter)} returned {keep!r} ({type(keep).__name__}) on the group of prompt "
+        f"{group.prompt.uid}: a dynamic-sampling filter returns a bool (True: keep the group)"
+    )
 
 
 def _user_code_error(key: str, fn: Callable[..., Any], err: Exception, where: str) -> UserCodeError:

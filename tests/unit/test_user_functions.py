@@ -16,7 +16,7 @@ from dapo_mcore.utils.errors import BAD_INPUT_EXIT_CODE, UserCodeError
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, LongTailEngine
 from tests.unit.test_partial_rollout import SETTINGS, heavy_tail
-from tests.verifiers import raise_in_filter
+from tests.verifiers import raise_in_filter, says_no
 from tests.warm_cli import cli_env, run_warm
 
 
@@ -122,3 +122,13 @@ def test_a_verifier_that_raises_on_some_answers_is_counted_and_the_run_goes_on(c
     metrics = [s.next_batch(step, PhaseTimer()).metrics for step in range(2)]
     assert all(m["reward/verifier_errors"] > 0 for m in metrics)
     assert len([r for r in caplog.records if "its first traceback" in r.getMessage()]) == 1  # once a run
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial rollout", "synchronous"])
+def test_a_filter_that_returns_no_bool_stops_the_run_naming_it_and_the_value(partial):
+    with pytest.raises(UserCodeError) as err:
+        sampler(partial, keep_filter=says_no).next_batch(0, PhaseTimer())
+    assert str(err.value).startswith(
+        "algorithm.dynamic_sampling.filter=tests.verifiers:says_no returned 'no' (str) on the group of prompt arith-"
+    ), str(err.value)
+    assert str(err.value).endswith("a dynamic-sampling filter returns a bool (True: keep the group)")
