@@ -195,6 +195,8 @@ def _add_eval_parser(sub) -> None:
         help="write every answer here, one JSON object each (prompt, answer, ground truth, extracted answer, "
         "verdict; default: not written)",
     )  # fmt: skip
+    cmd.add_argument("--no-verify", action="store_true", help="read a save without checking its CRC-32 checksums "
+                     "first (by default a damaged save is refused, as `checkpoint verify` would)")  # fmt: skip
     cmd.set_defaults(func=_eval)
 
 
@@ -342,7 +344,7 @@ def _eval(args: argparse.Namespace) -> int:
     run_eval(
         args.model, args.data, args.engine, args.verifier, settings,
         template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
-        save_answers=args.save_answers,
+        save_answers=args.save_answers, verify=not args.no_verify,
     )  # fmt: skip
     return 0
 

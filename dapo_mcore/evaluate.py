@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -45,6 +46,7 @@ def run_eval(
     dtype: str = "float32",
     out: str | None = None,
     save_answers: str | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     # an HF directory is used as it is; anything else must be a checkpoint (named if it is not, before any work)
     ckpt = None if (Path(model) / "config.json").is_file() else _checkpoint_of(Path(model))
@@ -53,7 +55,7 @@ def run_eval(
         AnswerFile(save_answers) if save_answers else nullcontext() as answer_file,
         tempfile.TemporaryDirectory(prefix="dapo-eval.") as workdir,
     ):
-        hf_dir = Path(model) if ckpt is None else converted_to_hf(ckpt, Path(workdir) / "hf")
+        hf_dir = Path(model) if ckpt is None else converted_to_hf(ckpt, Path(workdir) / "hf", verify)
         engine = EngineSettings(model_path=str(hf_dir), device=device, dtype=dtype)
         prompting = (template, instruction)
         results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, prompting, answer_file)
@@ -68,8 +70,16 @@ def run_eval(
     return results
 
 
-def converted_to_hf(ckpt: Path, out_dir: Path) -> Path:
-    """A Megatron-Core checkpoint or run save written as an HF directory `out_dir` for the engine."""
+def converted_to_hf(ckpt: Path, out_dir: Path, verify: bool = True) -> Path:
+    """A Megatron-Core checkpoint or run save written as an HF directory `out_dir` for the engine; with `verify`
+    its files' CRC-32 checksums are checked first (two swapped blocks of a shard scored 0.0000 without a word)."""
+    if verify:
+        from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+
+        start = time.perf_counter()
+        files = verify_complete(ckpt, checksums=True)
+        print(f"{ckpt}: {files} files match their CRC-32 checksums ({time.perf_counter() - start:.1f} s; "
+              "--no-verify skips this)", flush=True)  # fmt: skip
     print(f"converting {ckpt} to an HF directory for the engine", flush=True)
     with quiet_save_reading():
         from dapo_mcore.checkpoint.conversion import mcore_to_hf

@@ -46,3 +46,19 @@ def test_same_size_damage_is_caught_and_resume_auto_falls_back_to_the_older_save
     assert without_timings(read_rows(run_dir)) == without_timings(read_rows(reference))
     assert [p.name[:11] for p in (run_dir / "checkpoints" / "set_aside").iterdir()] == ["step_000006"]
     assert verify_complete(run_dir / "checkpoints" / "step_000006", checksums=True) > 0  # the new save, intact
+
+
+def test_eval_refuses_a_damaged_save_unless_told_not_to_verify(reference, tmp_path):  # noqa: F811
+    """Two swapped 8 KiB blocks of a shard (same size) were scored (avg@4 0.0000 against 0.1375 healthy)."""
+    run_dir = shutil.copytree(reference, tmp_path / "run")
+    damaged = run_dir / "checkpoints" / "step_000006"
+    flip_bytes(damaged / "__0_0.distcp")
+    args = ("eval", str(damaged), "--data", "examples/data/sums.jsonl", "--k", "1", "--max-new-tokens", "4")
+    refused = cli(*args, expect=2)
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"dapo-mcore: error: checkpoint {damaged} is damaged: __0_0.distcp fails its CRC-32 check"
+    )
+    assert "converting" not in refused.stdout  # nothing read before the check
+    cli(*args, "--no-verify")  # the user's choice: read as it is
+    healthy = cli("eval", str(run_dir / "checkpoints" / "step_000004"), *args[2:])
+    assert "files match their CRC-32 checksums" in healthy.stdout
