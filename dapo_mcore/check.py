@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.build import Resume, check_config_changes, check_routing_replay, earlier_saves_problem
+from dapo_mcore.checkpoint.hf_io import weights_problems
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
@@ -33,8 +34,11 @@ from dapo_mcore.mcore.provider import (
 )
 from dapo_mcore.parallel import check_layout
 from dapo_mcore.plan import default_gpus, plan_memory
+from dapo_mcore.rewards.pool import resolve_verifier
+from dapo_mcore.rollout.model_info import hf_weight_shapes
 from dapo_mcore.rollout.registry import engine_problem
 from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import quiet_save_reading
 
 
@@ -69,6 +73,9 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     files = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     files += [p for p in [tokenizer_problem(cfg.model.hf_path)] if p]
     report.problems += [p for p in files if model_dir.is_dir() or not p.startswith("model.hf_path")]
+    if model_config is not None and cfg.model.init == "hf" and not files:
+        report.problems += report.attempt(lambda: weights_problems(model_dir, hf_weight_shapes(str(model_dir)))) or []
+    report.problems += user_function_problems(cfg)
     report.problems += [p for p in [needed_transformer_engine(cfg)] if p]
     if cfg.optimizer.cpu_offload:
         report.problems += [p for p in [cpu_offload_problem(on_cpu=device == "cpu")] if p]
@@ -112,6 +119,22 @@ def check_model(report: CheckReport, cfg: RunConfig, spec: ModelSpec, world: int
     report.attempt(lambda: check_moe_training_layout(spec, tp, par.sequence_parallel))
     report.attempt(lambda: check_routing_replay(cfg, spec))
     report.attempt(lambda: check_layout(world, tp, pp, vpp, ep, etp))
+
+
+def user_function_problems(cfg: RunConfig) -> list[str]:
+    """The verifier and the dynamic-sampling filter the config names, imported as train imports them."""
+    problems = []
+    for key, spec, load in (
+        ("algorithm.reward.verifier", cfg.algorithm.reward.verifier, resolve_verifier),
+        ("algorithm.dynamic_sampling.filter", cfg.algorithm.dynamic_sampling.filter,
+         lambda spec: import_callable(spec, "dynamic-sampling filter")),
+    ):  # fmt: skip
+        try:
+            if spec:
+                load(spec)
+        except DapoError as err:
+            problems.append(f"{key}: {err}")
+    return problems
 
 
 def needed_transformer_engine(cfg: RunConfig) -> str | None:

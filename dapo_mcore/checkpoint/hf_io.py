@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +64,58 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.hf_dir}: shard file {path.name} (holding '{name}') is missing")
         with _readable(path), self._open(path, framework="pt") as fh:
             return fh.get_tensor(name)
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(the tensors' entries {name: {dtype, shape, data_offsets}}, the bytes the file must hold) from a
+    safetensors file's header alone (no tensor data read). A CheckpointError names a file whose header is not
+    one."""
+    try:
+        with open(path, "rb") as fh:
+            length = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(length))
+    except (OSError, struct.error, ValueError, MemoryError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {type(err).__name__}: {err}") from None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((entry["data_offsets"][1] for entry in entries.values()), default=0)
+    return entries, 8 + length + end
+
+
+def weights_problems(hf_dir: Path, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """What `train` would meet reading these weights, from the safetensors headers alone (one line each): a file
+    cut short (an interrupted download), a tensor whose shape is not the one config.json gives, tensors missing."""
+    index = hf_dir / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (ValueError, KeyError, TypeError) as err:
+        return [f"{index} is not a valid safetensors index ({type(err).__name__}: {err})"]
+    files = files or [p.name for p in sorted(hf_dir.glob("*.safetensors"))]
+    problems, found = [], {}
+    for name in files:
+        path = hf_dir / name
+        if not path.is_file():
+            problems.append(f"{path} is missing (named by {index.name})")
+            continue
+        try:
+            entries, needed = safetensors_header(path)
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        if path.stat().st_size < needed:
+            problems.append(f"{path} is cut short: {path.stat().st_size:,} bytes, its header needs {needed:,} "
+                            "(an interrupted copy or download?)")  # fmt: skip
+        found.update({tensor: (name, tuple(entry["shape"])) for tensor, entry in entries.items()})
+    differ = [tensor for tensor, shape in expected.items() if tensor in found and found[tensor][1] != shape]
+    for tensor in differ[:3]:
+        problems.append(f"{hf_dir}: '{tensor}' has shape {list(found[tensor][1])} in {found[tensor][0]}, "
+                        f"config.json makes it {list(expected[tensor])}")  # fmt: skip
+    if len(differ) > 3:
+        problems.append(f"{hf_dir}: {len(differ) - 3} more tensors differ in shape from config.json")
+    missing = [tensor for tensor in expected if tensor not in found]
+    if missing and files:
+        problems.append(f"{hf_dir}: {len(missing)} of the {len(expected)} tensors config.json makes are in no "
+                        f"*.safetensors file (the first: '{missing[0]}')")  # fmt: skip
+    return problems
 
 
 @contextmanager

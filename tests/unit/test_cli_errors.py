@@ -139,3 +139,38 @@ def test_plan_refuses_counts_and_sizes_that_are_not_positive(args, message, caps
     with pytest.raises(SystemExit) as stop:
         main(["plan", "examples/smoke_cpu.yaml", *args])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_check_reads_the_weights_headers_and_imports_the_user_functions(tmp_path):
+    """`check` said "ready to launch" for a cut-short model.safetensors, weights of another shape than config.json
+    and a verifier module that does not exist; train refused or crashed on each."""
+    import json
+    import shutil
+
+    cut, wide = tmp_path / "cut", tmp_path / "wide"
+    for copy in (cut, wide):
+        shutil.copytree("examples/models/tiny-arith", copy)
+    with open(cut / "model.safetensors", "r+b") as weights:
+        weights.truncate(10_000)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    run = ("check", "examples/smoke_cpu.yaml", "model.init=hf", f"logging.run_dir={tmp_path}/run")
+    problems = {
+        name: [line[4:] for line in run_cli(*run, *extra).stderr.splitlines() if line.startswith("  - ")]
+        for name, extra in (
+            ("cut", [f"model.hf_path={cut}"]),
+            ("wide", [f"model.hf_path={wide}"]),
+            ("verifier", ["algorithm.reward.verifier=no_such_module:is_correct"]),
+        )
+    }
+    assert problems["cut"] == [f"{cut}/model.safetensors is cut short: 10,000 bytes, its header needs 546,144 (an "
+                               "interrupted copy or download?)"]  # fmt: skip
+    assert problems["wide"][0] == (
+        f"{wide}: 'model.layers.0.mlp.gate_proj.weight' has shape [192, 64] in model.safetensors, config.json makes "
+        "it [256, 64]"
+    )
+    assert problems["wide"][-1] == f"{wide}: 3 more tensors differ in shape from config.json"
+    assert problems["verifier"] == [
+        "algorithm.reward.verifier: verifier (one of ['dapo', 'gsm8k', 'math_verify', 'synthetic'] or) "
+        "'no_such_module:is_correct' cannot be loaded: No module named 'no_such_module'"
+    ]
