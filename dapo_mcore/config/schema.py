@@ -390,9 +390,9 @@ class TrainerConfig:
     # Longest held-out answer in tokens; 0: rollout.sampling.max_response_len.
     eval_max_response_len: int = 0
     # Rehearsals only (rollout.engine=synthetic, `dapo-mcore rehearse`): > 0 makes the actor compute (forward,
-    # backward, optimizer step) only this many micro-batches of each step, the cheapest of its first mini-batch
-    # (fewest tokens x row length); every other one is built and held as in a real step, its old log-probs the
-    # engine's.
+    # backward, optimizer step) only this many micro-batches of each step, those of its first mini-batch with the
+    # shortest rows, cut to their first rows within 4096 tokens; every micro-batch is still built and held as in a
+    # real step, the uncomputed rows take the engine's log-probs.
     # At the recipes' counts a rank holds millions of tokens, and the real vocabulary's head alone costs about 3 ms
     # a token on one CPU core. 0: every micro-batch (training).
     rehearsal_micro_batches: int = 0

@@ -174,17 +174,18 @@ class PolicyRunner:
 
     def _computed(self, mini_batch: int, micro: list[MicroBatch]) -> list[int]:
         """Which micro-batches of mini-batch `mini_batch` this policy computes: all of them, or in a rehearsal
-        (trainer.rehearsal_micro_batches = k) the k cheapest of the first mini-batch and none of the others.
-        Cheapest: the fewest tokens x row length (the head's work grows with the tokens, 3 ms each on a CPU core
-        at a 152k vocabulary; the local layers' attention scores with rows x length^2: a 16k-token row took 4.4
-        GB). Every rank takes the same number from the same mini-batches, so the collectives match."""
+        (trainer.rehearsal_micro_batches = k) the k with the shortest rows of the first mini-batch (each cut to
+        its first rows within REHEARSAL_TOKENS, _rehearsal_cut) and none of the others. The shortest rows: the
+        local layers' attention scores grow with rows x length^2 (one 16k-token row took 4.4 GB), and the head
+        with the tokens (3 ms each on a CPU core at a 152k vocabulary). Every rank takes the same number from the
+        same mini-batches, so the collectives match."""
         k = self.settings.rehearsal_micro_batches
         if k == 0:
             return list(range(len(micro)))
         if mini_batch > 0:
             return []
-        cost = [mb.tokens.numel() * mb.tokens.shape[1] for mb in micro]
-        return sorted(sorted(range(len(micro)), key=lambda i: (cost[i], i))[:k])
+        shortest = sorted(range(len(micro)), key=lambda i: (micro[i].tokens.shape[1], micro[i].tokens.numel(), i))
+        return sorted(shortest[:k])
 
     def _rehearsal_cut(self, mb: MicroBatch) -> MicroBatch:
         """In a rehearsal, a computed micro-batch's first rows within REHEARSAL_TOKENS tokens (a view): one row
