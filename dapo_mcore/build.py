@@ -213,7 +213,9 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         actor, reference, family = build_policies(cfg, ctx, spec, settings)
         exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
         reward = cfg.algorithm.reward
-        verifiers = VerifierPool(reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s)
+        verifiers = VerifierPool(
+            reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s, batch_timeout_s=reward.batch_timeout_s
+        )
         sampler = build_sampler(cfg, ctx, engine, prompts, verifiers, actor.dp_split)
         validator = build_validator(cfg, ctx, engine, prompts, verifiers)
         prepare_run_dir(cfg, ctx, run_dir, resume, checkpoints)  # every check passed: now the directory changes

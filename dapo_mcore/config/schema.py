@@ -225,6 +225,10 @@ class RewardConfig:
     wrong: float = -1.0
     # Each check runs in a worker process and counts as wrong past this many seconds.
     timeout_s: float = 10.0
+    # One batch of checks (a round's answers on a rank) gets at most this many seconds: the checks not done by
+    # then count as timed out (wrong), so that a verifier that hangs costs a round this much, not timeout_s per
+    # answer in turn (a never-returning verifier cost about 53 minutes a step of the demo).
+    batch_timeout_s: float = 300.0
     # Verifier worker processes per rank (0: in-process, no timeout; for debugging).
     workers: int = 1
 

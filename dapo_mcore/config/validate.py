@@ -112,6 +112,11 @@ def _check_reward(cfg: RunConfig) -> None:
     reward = cfg.algorithm.reward
     _require(reward.correct > reward.wrong, "algorithm.reward.correct must exceed algorithm.reward.wrong")
     _require(reward.timeout_s > 0.0, "algorithm.reward.timeout_s must be > 0")
+    _require(
+        reward.batch_timeout_s >= reward.timeout_s,
+        f"algorithm.reward.batch_timeout_s ({reward.batch_timeout_s}) must be >= algorithm.reward.timeout_s "
+        f"({reward.timeout_s}): a batch must have time for one check",
+    )
     _require(reward.workers >= 0, "algorithm.reward.workers must be >= 0")
 
 

@@ -108,9 +108,18 @@ class _Worker:
 
 
 class VerifierPool:
-    def __init__(self, spec: str, workers: int = 1, timeout_s: float = 10.0, startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        spec: str,
+        workers: int = 1,
+        timeout_s: float = 10.0,
+        startup_timeout_s: float = 120.0,
+        batch_timeout_s: float = float("inf"),
+    ):
+        """batch_timeout_s: one verify call's budget; past it, the checks not done count as timed out (wrong)
+        at once, so that a verifier that hangs costs a step that much, not timeout_s per answer in turn."""
         self.spec, self.n_workers, self.timeout_s = spec, workers, timeout_s
-        self.startup_timeout_s = startup_timeout_s
+        self.startup_timeout_s, self.batch_timeout_s = startup_timeout_s, batch_timeout_s
         self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
@@ -122,14 +131,19 @@ class VerifierPool:
             self._workers += [self._start() for _ in range(self.n_workers - len(self._workers))]
         results: list[Verdict | None] = [None] * len(pairs)
         pending, busy = deque(range(len(pairs))), {}  # busy: worker index -> (task index, deadline)
+        budget_end = time.monotonic() + self.batch_timeout_s
         while pending or busy:
             for w in range(len(self._workers)):
                 if w not in busy and pending:
                     task = pending.popleft()
                     self._send(w, (task, *pairs[task]))
-                    busy[w] = (task, time.monotonic() + self.timeout_s)
+                    busy[w] = (task, min(time.monotonic() + self.timeout_s, budget_end))
             self._collect(busy, results)
             self._expire(busy, results)
+            if time.monotonic() >= budget_end:  # the batch's budget is spent: what is left timed out
+                for task in pending:
+                    results[task] = Verdict(correct=False, timed_out=True)
+                pending.clear()
         return results
 
     def _collect(self, busy, results) -> None:

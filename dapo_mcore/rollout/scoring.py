@@ -54,7 +54,8 @@ class GroupScoring:
             return
         # a verify that raises is named as such, not as the engine it raised inside (partial rollout)
         verdicts = verified(self.verify, [(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
-        self.check_verdicts(verdicts, f"checking the {len(samples)} answers of {len(groups)} prompts")
+        answers = [s.response_text for s in samples]
+        self.check_verdicts(verdicts, f"checking the {len(samples)} answers of {len(groups)} prompts", answers)
         for s, verdict in zip(samples, verdicts):
             s.correct, s.timed_out, s.verify_error = verdict.correct, verdict.timed_out, verdict.error is not None
         self.apply_rewards(groups)

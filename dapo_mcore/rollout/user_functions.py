@@ -44,10 +44,14 @@ class VerdictCheck:
 
     def __init__(self, verify: Callable[..., Any]):
         self.name = function_name(verify)
-        self.logged_error = False
+        self.logged_error = self.logged_timeout = False
+        self.timeouts_in_a_row = 0
 
-    def __call__(self, verdicts: list[Verdict], where: str) -> int:
-        """The number of checks that raised; a UserCodeError for an invalid value or all checks raising."""
+    def __call__(self, verdicts: list[Verdict], where: str, answers: list[str] | None = None) -> int:
+        """The number of checks that raised; a UserCodeError for an invalid value, all checks raising, or
+        TIMEOUTS_IN_A_ROW checks past their timeout one after another. `answers` (the checked texts) name the
+        first timeout's length."""
+        self._timeouts(verdicts, where, answers)
         invalid = next((v.invalid for v in verdicts if v.invalid), None)
         if invalid is not None:
             raise UserCodeError(f"{VERIFIER_KEY}={self.name} {invalid} ({where})")
@@ -62,6 +66,29 @@ class VerdictCheck:
             raise UserCodeError(f"{VERIFIER_KEY}={self.name} raised on every one of {len(verdicts)} answers ({where}): "
                                 f"{last}; its first traceback is logged above")  # fmt: skip
         return len(errors)
+
+    def _timeouts(self, verdicts: list[Verdict], where: str, answers: list[str] | None) -> None:
+        for i, verdict in enumerate(verdicts):
+            if not verdict.timed_out:
+                self.timeouts_in_a_row = 0
+                continue
+            self.timeouts_in_a_row += 1
+            if not self.logged_timeout:
+                self.logged_timeout = True
+                length = f" of {len(answers[i]):,} characters" if answers else ""
+                log.warning("%s=%s: a check ran past algorithm.reward.timeout_s on an answer%s (%s): it counts as "
+                            "wrong, as every timed-out check (reward/timeouts counts them)", VERIFIER_KEY, self.name,
+                            length, where)  # fmt: skip
+        if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW:
+            raise UserCodeError(
+                f"{VERIFIER_KEY}={self.name} timed out on {self.timeouts_in_a_row} answers in a row ({where}): it "
+                "cannot judge them within algorithm.reward.timeout_s (each counted as wrong); fix the verifier or "
+                "raise the timeout"
+            )
+
+
+# Checks past their timeout one after another that stop the run: a verifier that hangs on every answer.
+TIMEOUTS_IN_A_ROW = 32
 
 
 def kept_by(keep_filter: Callable[[Group], bool], group: Group) -> bool:

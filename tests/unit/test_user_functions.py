@@ -132,3 +132,36 @@ def test_a_filter_that_returns_no_bool_stops_the_run_naming_it_and_the_value(par
         "algorithm.dynamic_sampling.filter=tests.verifiers:says_no returned 'no' (str) on the group of prompt arith-"
     ), str(err.value)
     assert str(err.value).endswith("a dynamic-sampling filter returns a bool (True: keep the group)")
+
+
+def test_a_batch_of_checks_that_hang_ends_at_its_budget_each_counted_timed_out():
+    """A verifier that never returns cost timeout_s per answer in turn (about 53 minutes a step of the demo):
+    the batch's budget ends it, every check left counted as timed out."""
+    import time
+
+    pool = VerifierPool("tests.verifiers:hang_on_hmm", workers=1, timeout_s=1.0, batch_timeout_s=2.5)
+    try:
+        start = time.monotonic()
+        verdicts = pool.verify([("hmm", "1")] * 10)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    assert all(v.timed_out and not v.correct for v in verdicts)
+    assert elapsed < 7.0  # 10 checks x 1 s each without the budget
+
+
+def test_timeouts_are_logged_once_with_the_answer_length_and_many_in_a_row_stop_the_run(caplog):
+    from dapo_mcore.rewards.pool import Verdict
+    from dapo_mcore.rollout.user_functions import TIMEOUTS_IN_A_ROW, VerdictCheck
+
+    check = VerdictCheck(VerifierPool("tests.verifiers:hang_on_hmm", workers=0).verify)
+    timed_out, fine = Verdict(correct=False, timed_out=True), Verdict(correct=True)
+    check([timed_out, fine] * 20, "round 1", ["x" * 1234, "y"] * 20)  # never two in a row: the run goes on
+    warnings = [r.getMessage() for r in caplog.records if "ran past algorithm.reward.timeout_s" in r.getMessage()]
+    assert len(warnings) == 1 and "on an answer of 1,234 characters (round 1)" in warnings[0]
+    with pytest.raises(UserCodeError) as err:
+        check([timed_out] * TIMEOUTS_IN_A_ROW, "round 2")
+    assert str(err.value).startswith(
+        f"algorithm.reward.verifier=tests.verifiers:hang_on_hmm timed out on {TIMEOUTS_IN_A_ROW} answers in a row "
+        "(round 2)"
+    )
