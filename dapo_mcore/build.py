@@ -641,9 +641,14 @@ def check_config_changes(cfg: RunConfig, resume: Resume) -> None:
             f"from its save ({'; '.join(map(describe_change, experiment))}); give this run its own name (or "
             "logging.run_dir), or set checkpoint.resume=force to continue that run with the new values"
         )
-    if changes:
+    changes = [change for change in changes if change[0] not in ORDINARY_ON_RESUME]
+    if changes and os.environ.get("RANK", "0") == "0":  # once, not once a rank
         log.warning("resuming from %s with %d config keys changed since the save: %s",
                     resume.path.name, len(changes), "; ".join(map(describe_change, changes)))  # fmt: skip
+
+
+# What every ordinary continuation changes (a longer run, the run directory where it is now): not listed.
+ORDINARY_ON_RESUME = ("trainer.steps", "logging.run_dir")
 
 
 def prepare_run_dir(

@@ -67,8 +67,12 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}' is not of the form section.key=value")
     try:
         value = _load_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override '{text}': the value is not valid YAML ({err})") from None
+    except yaml.YAMLError as err:  # its text spans several lines of parser context: the problem's line alone
+        context, problem = getattr(err, "context", None), getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = f"{context}: {problem}" if context else problem
+        raise ConfigError(
+            f"override '{text}': the value is not valid YAML ({problem}); quote it to pass text, e.g. {key}='{raw}'"
+        ) from None
     return key.strip(), value
 
 

@@ -92,12 +92,12 @@ def test_resume_auto_refuses_a_changed_experiment_and_force_takes_it_listing_eve
     assert "Traceback" not in refused.stderr
     proc = train(run_dir, data, "checkpoint.resume=force", "trainer.steps=1", *changed)
     (warning,) = [line for line in proc.stderr.splitlines() if "config keys changed since the save" in line]
-    assert "resuming from step_000001 with 5 config keys changed since the save: " in warning
+    assert "resuming from step_000001 with 4 config keys changed since the save: " in warning
     for change in (f"data.source: '{saved[0].parent}/sums.jsonl' -> '{data}'", "algorithm.clip_high: 0.28 -> 0.3",
-                   "trainer.micro_batch_size: 16 -> 8", f"logging.run_dir: '{saved[0]}' -> '{run_dir}'",
-                   "rollout.verify_weights: True -> False"):  # fmt: skip
+                   "trainer.micro_batch_size: 16 -> 8", "rollout.verify_weights: True -> False"):  # fmt: skip
         assert change in warning, change
-    assert "checkpoint.resume" not in warning
+    # what every continuation changes is not listed (it was, on every ordinary extension of a run)
+    assert "checkpoint.resume" not in warning and "logging.run_dir" not in warning and "trainer.steps" not in warning
 
 
 def test_a_run_that_fails_its_checks_leaves_the_earlier_run_where_it_was(saved, tmp_path):

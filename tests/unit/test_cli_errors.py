@@ -174,3 +174,19 @@ def test_check_reads_the_weights_headers_and_imports_the_user_functions(tmp_path
         "algorithm.reward.verifier: verifier (one of ['dapo', 'gsm8k', 'math_verify', 'synthetic'] or) "
         "'no_such_module:is_correct' cannot be loaded: No module named 'no_such_module'"
     ]
+
+
+def test_an_override_that_is_not_yaml_is_one_line(capsys):
+    """`data.ops=*` (a YAML alias) was 7 lines of parser context."""
+    from dapo_mcore.cli import main
+
+    assert main(["config", "examples/smoke_cpu.yaml", "data.ops=*"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and err.startswith(
+            "dapo-mcore: error: override 'data.ops=*': the value is not valid YAML (while scanning an alias: expected "
+            "alphabetic or numeric character"
+        )
+        and err.strip().endswith("quote it to pass text, e.g. data.ops='*'")
+    )
