@@ -376,6 +376,12 @@ class RolloutSampler:
         self.carry = [group_from_dict(g) for g in state["carry"]]
         self.keep_rate.load_state_dict(state["keep_rate"])
         self.unfinished = [group_from_dict(g) for g in state.get("unfinished", [])]  # saves before partial rollout
+        n = self.settings.n_samples_per_prompt
+        other = [g for g in self.carry + self.unfinished if len(g.samples) != n]
+        if other and self.rank == 0:
+            log.warning("the save holds %d groups of %s answers (carried over or unfinished), where "
+                        "rollout.n_samples_per_prompt is now %d: they are trained as they are, the new size from "
+                        "the next new prompt on", len(other), sorted({len(g.samples) for g in other}), n)  # fmt: skip
 
 
 def _sample_tokens(group: Group | GroupSummary, i: int) -> int:

@@ -202,3 +202,15 @@ def test_ranks_of_one_engine_replica_send_the_same_prompts_and_seeds():
     assert seen[0] == seen[1] and seen[2] == seen[3]
     assert seen[0][0] != seen[2][0] and seen[0][1] != seen[2][1]
     assert len(seen[0][0]) + len(seen[2][0]) == 8
+
+
+def test_a_resume_with_fewer_answers_per_prompt_says_the_saved_groups_are_trained_as_they_are(caplog):
+    """The saved 8-answer groups were trained after a resume with rollout.n_samples_per_prompt=4 without a line."""
+    s, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8, carry_surplus=True)
+    s.next_batch(0, PhaseTimer())
+    n = s.settings.n_samples_per_prompt
+    t, _, _ = sampler(half_right, prompts_per_step=6, gen_prompts_per_round=8, carry_surplus=True,
+                      n_samples_per_prompt=n // 2)  # fmt: skip
+    t.load_state_dict(s.state_dict())
+    (warning,) = [r.getMessage() for r in caplog.records if "rollout.n_samples_per_prompt is now" in r.getMessage()]
+    assert warning.startswith(f"the save holds {len(s.carry)} groups of [{n}] answers (carried over or unfinished)")
