@@ -72,16 +72,21 @@ def build_prompt_source(
 
 def source_fingerprint(path: str | Path, prompts: Sequence[Prompt]) -> dict[str, Any]:
     """What a resume compares: the data file's size, and the rows a run uses (after the length policy) with a
-    hash of them in order (row numbers included: reordered rows differ)."""
-    digest = hashlib.sha256()
+    hash of them in order (row numbers included: reordered rows differ). `sha256_rows` leaves the file's name
+    out (a byte-identical copy under another name is the same data); `sha256`, with it, is what saves made
+    before it hold, compared only with those."""
+    named, rows = hashlib.sha256(), hashlib.sha256()
     for p in prompts:
-        digest.update(json.dumps([p.uid, p.text, p.answer]).encode())
-    return {"file": str(path), "bytes": Path(path).stat().st_size, "rows": len(prompts), "sha256": digest.hexdigest()}
+        named.update(json.dumps([p.uid, p.text, p.answer]).encode())
+        rows.update(json.dumps([p.uid.rsplit(":", 1)[-1], p.text, p.answer]).encode())
+    return {"file": str(path), "bytes": Path(path).stat().st_size, "rows": len(prompts), "sha256": named.hexdigest(),
+            "sha256_rows": rows.hexdigest()}  # fmt: skip
 
 
 def fingerprint_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     changes = [f"{key} {saved[key]} -> {now[key]}" for key in ("bytes", "rows") if saved[key] != now[key]]
-    if saved["sha256"] != now["sha256"]:
+    digest = "sha256_rows" if "sha256_rows" in saved else "sha256"
+    if saved[digest] != now[digest]:
         changes.append("the rows' content or order differs (sha256)")
     return changes
 

@@ -111,3 +111,20 @@ def test_data_parallel_split_gives_every_rank_the_same_micro_batch_count():
     covered = sorted(i for s in splits for mb in s for i in mb if i >= 0)
     assert covered == indices
     assert torch.tensor([len(s) for s in splits]).unique().numel() == 1
+
+
+def test_a_byte_identical_data_file_under_another_name_is_the_same_data(tmp_path):
+    """The rows' hash included the file's name (through the prompt ids): a renamed copy was refused at resume as
+    'the rows' content or order differs'. A save made before keeps being compared as it was."""
+    from dapo_mcore.data.datasets import fingerprint_changes, load_jsonl_prompts, source_fingerprint
+
+    first, copy = tmp_path / "train.jsonl", tmp_path / "train-copy.jsonl"
+    first.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{"prompt": "What is 2+2?", "answer": "4"}\n')
+    copy.write_bytes(first.read_bytes())
+    saved, now = (source_fingerprint(p, load_jsonl_prompts(str(p))) for p in (first, copy))
+    assert fingerprint_changes(saved, now) == []
+    older_save = {k: v for k, v in saved.items() if k != "sha256_rows"}  # its hash includes the file's name
+    assert fingerprint_changes(older_save, now) == ["the rows' content or order differs (sha256)"]
+    copy.write_text('{"prompt": "What is 2+2?", "answer": "4"}\n{"prompt": "What is 1+1?", "answer": "2"}\n')
+    reordered = source_fingerprint(copy, load_jsonl_prompts(str(copy)))
+    assert fingerprint_changes(saved, reordered) == ["the rows' content or order differs (sha256)"]
