@@ -39,7 +39,7 @@ from dapo_mcore.mcore.provider import build_gpt_chunks, build_transformer_config
 from dapo_mcore.mcore.sharding import TPSplit, gather_full, global_named_parameters, tp_split_of
 from dapo_mcore.parallel import ParallelContext, init_parallel
 from dapo_mcore.utils.errors import CheckpointError, DapoError
-from dapo_mcore.utils.logging import get_logger
+from dapo_mcore.utils.logging import get_logger, quiet_save_reading
 
 log = get_logger(__name__)
 
@@ -81,13 +81,15 @@ def run_conversion(prog: str, out_dir: Path, convert: Callable[[], str]) -> int:
         print(f"{prog}: {out_dir} exists; not overwriting it", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    try:
-        summary = convert()
-    except DapoError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        destroy_parallel()
+    # Megatron-Core's import notes (no Apex / TE on the CPU) were 8 lines above every error
+    with quiet_save_reading():
+        try:
+            summary = convert()
+        except DapoError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+        finally:
+            destroy_parallel()
     print(f"wrote {out_dir}: {summary} in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -125,6 +125,8 @@ def resolve_device(preference: str) -> torch.device:
 _BENIGN_WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
     (UserWarning, r"full scope is deprecated"),
+    # its checkpoint loader calls torch's deprecated name, on every resume
+    (FutureWarning, r"`load_state_dict` is deprecated"),
 )
 # ... and those that are expected in the CPU mode (no Apex / Transformer Engine there by design).
 _CPU_MODE_WARNINGS = (

@@ -144,3 +144,13 @@ def wandb_history_steps(run_dir: Path) -> list[int]:
     if not any(r.HasField("exit") for r in records):
         return []
     return [r.history.step.num for r in records if r.HasField("history")]
+
+
+def test_a_converter_error_is_its_one_line_without_megatrons_import_notes(tmp_path):
+    """Before: 8 lines of 'Transformer Engine and Apex are not installed' warnings above the error. Python's
+    default warnings filter, as a user's command."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"OMP_NUM_THREADS": "1"}
+    for tool in ("convert_hf_to_mcore.py", "convert_mcore_to_hf.py"):
+        command = [sys.executable, str(REPO / "tools" / tool), str(tmp_path / "nothing"), str(tmp_path / "out")]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
