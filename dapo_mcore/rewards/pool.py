@@ -83,7 +83,10 @@ def _worker_main(conn, spec: str) -> None:
     verifier = resolve_verifier(spec)
     conn.send("ready")  # deadlines start once the verifier is imported, not while the process starts
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):  # the run is gone (killed): end quietly, not with a traceback
+            return
         if task is None:
             return
         index, response, reference = task

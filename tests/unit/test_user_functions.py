@@ -165,3 +165,16 @@ def test_timeouts_are_logged_once_with_the_answer_length_and_many_in_a_row_stop_
         f"algorithm.reward.verifier=tests.verifiers:hang_on_hmm timed out on {TIMEOUTS_IN_A_ROW} answers in a row "
         "(round 2)"
     )
+
+
+def test_a_verifier_worker_whose_run_is_gone_ends_without_a_traceback(capfd):
+    """After a kill of the run, its verifier workers printed an EOFError traceback on their way out."""
+    import multiprocessing as mp
+
+    from dapo_mcore.rewards.pool import _Worker
+
+    worker = _Worker(mp.get_context("spawn"), "dapo", startup_timeout_s=120)
+    worker.conn.close()  # as when the run's process is gone
+    worker.process.join(timeout=30)
+    assert worker.process.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err
