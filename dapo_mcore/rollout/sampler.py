@@ -160,6 +160,9 @@ class RolloutSampler:
         generated: list[GroupSummary] = []
         rounds = 0
         stale = self._drop_stale(step)
+        if cfg.partial_rollout:  # a carried group's answers may have begun before the last update too
+            fresh, too_old = split_stale(self.carry, step, cfg.partial_max_staleness)
+            kept, stale = list(fresh), stale + too_old
         while self._needs_round(len(kept), rounds):
             taken_before = self.prompts.taken
             if cfg.partial_rollout:

@@ -11,6 +11,7 @@ import pytest
 from dapo_mcore.data.arithmetic import ArithmeticTask
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rollout.guard import GuardedEngine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer
@@ -119,3 +120,20 @@ def test_the_unfinished_answers_are_saved_with_the_sampler_and_continued_after_a
         assert a.metrics == b.metrics
         tokens = lambda batch: [[list(s.response_ids) for s in g.samples] for g in batch.groups]
         assert tokens(a) == tokens(b)
+
+
+def test_with_partial_rollout_a_carried_group_older_than_the_staleness_bound_is_not_trained():
+    """carry_surplus=true: a group finished one step late and then carried trained answers of lag 2 while
+    partial_max_staleness was 1 (docs/algorithm.md: no trained token is older)."""
+    settings = SamplerSettings(**{**SETTINGS, "partial_rollout": True, "carry_surplus": True})
+    s = RolloutSampler(
+        GuardedEngine("hf", lambda: LongTailEngine(heavy_tail)), FakeTokenizer(),
+        PromptStream(ArithmeticTask(0, 99), seed=0), VerifierPool("dapo", workers=0).verify, settings,
+        rank=0, world_size=1, all_gather=lambda obj: [obj], keep_filter=lambda group: True,
+    )  # fmt: skip
+    s.next_batch(0, PhaseTimer())
+    assert s.carry, "the test needs carried groups"
+    carried = {g.prompt.uid for g in s.carry}
+    batch = s.next_batch(2, PhaseTimer())  # two updates after they were begun
+    assert not carried & {g.prompt.uid for g in batch.groups}
+    assert max(2 - smp.policy_step for g in batch.groups for smp in g.samples) <= 1
