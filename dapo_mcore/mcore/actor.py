@@ -63,8 +63,10 @@ _QUANTILES = (0.5, 0.9, 0.99)
 
 
 PACKING_MODES = ("off", "mask", "thd")
-# A rehearsal (trainer.rehearsal_micro_batches) computes a micro-batch's first rows within this many tokens.
-REHEARSAL_TOKENS = 4096
+# A rehearsal (trainer.rehearsal_micro_batches) computes a micro-batch's first rows, each cut to its first
+# REHEARSAL_LENGTH positions, within REHEARSAL_TOKENS tokens: the same compute and workspace at every world size
+# (4 rows x 4 heads x 1024^2 fp32 scores = 64 MB with the rehearsal's model), whatever lengths were drawn.
+REHEARSAL_TOKENS, REHEARSAL_LENGTH = 4096, 1024
 
 
 def packing_mode(choice: str, use_te: bool) -> str:
@@ -167,10 +169,13 @@ class PolicyRunner:
             if self.ctx.is_last_stage:
                 for i, mb in enumerate(micro):
                     at_response = mb.response_mask > 0
-                    # a rehearsal's rows left uncomputed take the engine's log-probs
-                    logprobs_bs = outputs.get(i, mb.rollout_logprobs[:0]).to(mb.response_mask.dtype)
-                    logprobs_bs = torch.cat([logprobs_bs, mb.rollout_logprobs[len(logprobs_bs) :]])
-                    setattr(mb, attr, torch.where(at_response, logprobs_bs, 0.0))
+                    logprobs_bs = outputs.get(i)
+                    if logprobs_bs is None or logprobs_bs.shape != mb.rollout_logprobs.shape:
+                        # a rehearsal's positions left uncomputed take the engine's log-probs
+                        computed, logprobs_bs = logprobs_bs, mb.rollout_logprobs.clone()
+                        if computed is not None:
+                            logprobs_bs[: computed.shape[0], : computed.shape[1]] = computed
+                    setattr(mb, attr, torch.where(at_response, logprobs_bs.to(mb.response_mask.dtype), 0.0))
 
     def _computed(self, mini_batch: int, micro: list[MicroBatch]) -> list[int]:
         """Which micro-batches of mini-batch `mini_batch` this policy computes: all of them, or in a rehearsal
@@ -188,11 +193,12 @@ class PolicyRunner:
         return sorted(shortest[:k])
 
     def _rehearsal_cut(self, mb: MicroBatch) -> MicroBatch:
-        """In a rehearsal, a computed micro-batch's first rows within REHEARSAL_TOKENS tokens (a view): one row
-        at least. The whole micro-batch is still built and held; only the compute is cut."""
+        """In a rehearsal, a computed micro-batch's first rows and positions (views) within REHEARSAL_LENGTH a row
+        and REHEARSAL_TOKENS in all. The whole micro-batch is still built and held; only the compute is cut."""
         if not self.settings.rehearsal_micro_batches or mb.segment_ids is not None:  # packed rows: kept whole
             return mb
-        return _first_rows(mb, max(1, REHEARSAL_TOKENS // mb.tokens.shape[1]))
+        length = min(mb.tokens.shape[1], round_up(REHEARSAL_LENGTH, self._multiple))
+        return _first_rows(mb, max(1, REHEARSAL_TOKENS // length), length)
 
     def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
         """Set `sample.<attr>` (a list) for the samples this rank trains on (last pipeline stage only): for
@@ -693,14 +699,14 @@ def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]
     return [(rows + [-1] * (rows_max - len(rows)), length_max) for rows, _ in plans]
 
 
-def _first_rows(mb: MicroBatch, rows: int) -> MicroBatch:
-    """The micro-batch's first `rows` rows (views of its tensors); itself when it has no more."""
-    if rows >= mb.tokens.shape[0]:
-        return mb
-    cut = {k: (v[:rows] if isinstance(v, torch.Tensor) else v) for k, v in vars(mb).items()}
+def _first_rows(mb: MicroBatch, rows: int, length: int) -> MicroBatch:
+    """The micro-batch's first `rows` rows and first `length` positions of each (views of its tensors, [b, s,
+    ...]); a sample cut short loses the loss of its later tokens."""
+    rows = min(rows, mb.tokens.shape[0])
+    cut = {k: (v[:rows, :length] if isinstance(v, torch.Tensor) else v) for k, v in vars(mb).items()}
     cut["sample_index"] = mb.sample_index[:rows]
     cut["segments"] = [segment for segment in mb.segments if segment[1] < rows]
-    cut["real_tokens"] = mb.real_tokens * rows // mb.tokens.shape[0]  # (a statistic only)
+    cut["real_tokens"] = mb.real_tokens * rows * length // mb.tokens.numel()  # (a statistic only)
     return MicroBatch(**cut)
 
 

@@ -10,8 +10,8 @@ generate, reward, exchange, old_logprobs, update, weight_push; save; restore) it
 - bytes sent and received through torch.distributed (`ByteCounter`: the buffers each collective reads and
   writes on this rank, see `_payload`), which is what a per-rank array gathered from every rank shows up in;
 - at its end, a census of the live Python objects: how many the garbage collector tracks, the bytes of every
-  live tensor (storages counted once), the largest tensor and the longest container, each named by the
-  attribute or key that holds it where one does.
+  live tensor (storages counted once; Megatron's attention workspace apart), the largest tensors and the
+  longest containers, each named by the attribute or key that holds it where one does.
 
 Records go to one JSON line per phase instance in the rank's file; rehearse/report.py reads them.
 """
@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,7 @@ def census(names: dict[tuple[int, int], str] | None = None) -> dict[str, Any]:
     once), the TOP largest tensors and longest lists / tuples / dicts / sets, named by what holds them (`names`
     caches the names already found, by object id and size: finding one scans every object)."""
     objects = gc.get_objects()  # no gc.collect() first: 0.3 s a phase, for cycles not yet collected
+    workspace = _workspace_storages()
     storages: dict[int, tuple[int, Any]] = {}  # storage -> (bytes, its tensor of the most elements)
     containers: list[tuple[int, int, Any]] = []  # (len, id, container): the TOP longest
     for obj in objects:
@@ -179,6 +181,8 @@ def census(names: dict[tuple[int, int], str] | None = None) -> dict[str, Any]:
             _keep_top(containers, len(obj), obj)
         elif _is_tensor_type(kind) and not obj.is_meta and obj.layout == torch.strided:
             storage = obj.untyped_storage()
+            if storage.data_ptr() in workspace:
+                continue
             known = storages.get(storage.data_ptr())
             if known is None or obj.numel() > known[1].numel():  # a view names its storage less well
                 storages[storage.data_ptr()] = (storage.nbytes(), obj)
@@ -194,6 +198,7 @@ def census(names: dict[tuple[int, int], str] | None = None) -> dict[str, Any]:
     return {
         "objects": count,
         "tensor_bytes": sum(size for size, _ in storages.values()),
+        "workspace_bytes": sum(workspace.values()),
         "largest_tensors": [
             {
                 "bytes": size,
@@ -215,6 +220,15 @@ def _keep_top(top: list[tuple[int, int, Any]], size: int, obj: Any) -> None:
         top.append((size, id(obj), obj))
         top.sort(key=lambda entry: -entry[0])
         del top[TOP:]
+
+
+def _workspace_storages() -> dict[int, int]:
+    """Megatron's global memory buffer (its local attention's score workspace, sized by the micro-batch being
+    computed; Transformer Engine's fused attention on a GPU keeps none): storage -> bytes. Counted apart from
+    the live tensors, which it would otherwise swamp with the shapes the rehearsal happened to compute."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    buffer = getattr(getattr(state, "_GLOBAL_MEMORY_BUFFER", None), "buffer", None) or {}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffer.values()}
 
 
 _CONTAINERS = (list, tuple, dict, set)

@@ -38,6 +38,7 @@ QUANTITIES = (
     ("tensor_mb", "live tensors MB", "max", 16.0),
     ("largest_tensor_mb", "largest tensor MB", "max", 16.0),
     ("longest_container", "longest container", "max", 2000.0),
+    ("workspace_mb", "attention workspace MB", "max", None),  # the CPU's local layers only (probes.py)
     ("seconds", "seconds", "sum", None),  # shown, never judged: 2 cores shared by N processes
 )
 GROWTH_TOLERANCE = 0.1  # and at least this share of the value at the fewest ranks (a bytes figure near zero)
@@ -52,6 +53,7 @@ def _figures(record: dict[str, Any]) -> dict[str, float]:
         "tensor_mb": record.get("tensor_bytes", 0) / MB,
         "largest_tensor_mb": max((t["bytes"] for t in record.get("largest_tensors", [])), default=0) / MB,
         "longest_container": max((c["len"] for c in record.get("longest_containers", [])), default=0),
+        "workspace_mb": record.get("workspace_bytes", 0) / MB,
         "seconds": record["seconds"],
     }
 
@@ -60,7 +62,8 @@ def _figures(record: dict[str, Any]) -> dict[str, float]:
 class PhaseFigures:
     """One phase on one world: each quantity's worst rank, and what holds the largest tensor / container."""
 
-    values: dict[str, float] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict)  # the worst rank's
+    mean: dict[str, float] = field(default_factory=dict)  # the ranks' mean: what growth is judged on
     largest_tensors: list[dict[str, Any]] = field(default_factory=list)  # the worst ranks' top objects
     longest_containers: list[dict[str, Any]] = field(default_factory=list)
 
@@ -112,10 +115,17 @@ class World:
                 combined[name] = combined.get(name, 0.0) + value if how == "sum" else max(combined.get(name, 0), value)
             figures = out.setdefault(record["phase"], PhaseFigures())
             _keep_largest(figures, record)
-        for (phase, _, _), combined in per_key.items():
-            values = out[phase].values
+        per_rank: dict[tuple[str, int], dict[str, float]] = {}  # (phase, rank): its worst step
+        for (phase, rank, _), combined in per_key.items():
+            worst = per_rank.setdefault((phase, rank), {})
             for name, value in combined.items():
-                values[name] = max(values.get(name, 0.0), value)
+                worst[name] = max(worst.get(name, 0.0), value)
+        for (phase, _), worst in per_rank.items():
+            figures = out[phase]
+            ranks = sum(1 for p, _ in per_rank if p == phase)
+            for name, value in worst.items():
+                figures.values[name] = max(figures.values.get(name, 0.0), value)
+                figures.mean[name] = figures.mean.get(name, 0.0) + value / ranks
         return out
 
     def tokens_per_step(self) -> float:
@@ -190,7 +200,7 @@ def growth_table(worlds: list[World], project_to: int, step: int | None = None) 
         if not all(phase in figures for figures in by_world):
             continue
         for key, label, _, floor in QUANTITIES:
-            values = [figures[phase].values.get(key, 0.0) for figures in by_world]
+            values = [figures[phase].mean.get(key, 0.0) for figures in by_world]
             intercept, slope = fit(sizes, values)
             rise = values[-1] - values[0]
             grows = floor is not None and rise > floor and rise > GROWTH_TOLERANCE * values[0]
@@ -322,7 +332,8 @@ def format_report(rehearsal: Rehearsal) -> str:
     if growth:
         sizes = "".join(f" N={n} |" for n in growth[0].worlds)
         lines += [
-            f"## Growth with the number of ranks, each rank's share held (projected to {rehearsal.shape.gpus} ranks)",
+            f"## Growth with the number of ranks, each rank's share held (the ranks' mean; projected to "
+            f"{rehearsal.shape.gpus} ranks)",
             "",
             f"|phase | quantity |{sizes} per added rank | at {rehearsal.shape.gpus} | grows |",
             "|---|---|" + "---|" * (len(growth[0].worlds) + 3),

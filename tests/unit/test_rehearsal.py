@@ -145,7 +145,8 @@ class _World:
     def phases(self, step=None):
         from dapo_mcore.rehearse.report import PhaseFigures
 
-        return {"exchange": PhaseFigures(values={"received_mb": self.received, "peak_rss_mb": 500.0})}
+        figures = {"received_mb": self.received, "peak_rss_mb": 500.0}
+        return {"exchange": PhaseFigures(values=figures, mean=figures)}
 
 
 def test_growth_is_named_past_its_tolerance_and_floor_and_not_below():
@@ -156,3 +157,22 @@ def test_growth_is_named_past_its_tolerance_and_floor_and_not_below():
     assert received.grows and received.projected == pytest.approx(received.slope * 64 + (4.0 - received.slope * 8))
     tiny = growth_table([_World(2, 0.001), _World(4, 0.002)], project_to=64)  # doubles, but below 64 KB
     assert not [g for g in tiny if g.grows]
+
+
+def test_a_rehearsals_computed_micro_batch_is_its_first_rows_and_positions():
+    """trainer.rehearsal_micro_batches: the actor computes a view of the micro-batch within 4096 tokens and 1024
+    positions a row, whatever lengths were drawn (the whole micro-batch stays built and held)."""
+    from dapo_mcore.data.batching import build_micro_batch
+    from dapo_mcore.data.types import Sample
+    from dapo_mcore.mcore.actor import _first_rows
+
+    samples = [
+        Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), rollout_logprobs=[-0.5] * n, finish_reason="stop")
+        for n in (3000, 2500, 2000, 1500, 1200, 1100)
+    ]
+    mb = build_micro_batch(samples, list(range(6)), 3008, pad_id=0)
+    cut = _first_rows(mb, 4, 1024)
+    assert cut.tokens.shape == cut.loss_mask.shape == cut.old_logprobs.shape == (4, 1024)
+    assert cut.sample_index == [0, 1, 2, 3] and [seg[1] for seg in cut.segments] == [0, 1, 2, 3]
+    assert cut.tokens.data_ptr() == mb.tokens.data_ptr()  # a view: nothing copied
+    assert mb.tokens.shape == (6, 3008)
