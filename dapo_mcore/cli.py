@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
         return RESUME_EXIT_CODE
     except (KeyboardInterrupt, Terminated) as stop:
+        if (gone := _gone_peer()) is not None:  # the launcher ended this rank because another one died
+            return gone
         name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 143)
         if as_command:
             # what the unwinding did not stop (e.g. the checkpoint writer's helpers); not on a normal end,
@@ -58,6 +60,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dapo-mcore: stopped by {name}; every complete save is kept (continue with checkpoint.resume=auto)",
                   file=sys.stderr)  # fmt: skip
         return code
+    except Exception:
+        if (gone := _gone_peer()) is not None:  # a collective failed because another rank died: that is the news
+            return gone
+        raise
+
+
+def _gone_peer() -> int | None:
+    """A rank of this host whose process is gone (killed from outside: the OOM killer), named in one line by the
+    first survivor to ask; the exit code of a lost peer (76: resume from the newest save), or None."""
+    if "dapo_mcore.parallel.state" not in sys.modules:  # no process group was made: no peer to lose
+        return None
+    from dapo_mcore.parallel import PEER_LOST_EXIT_CODE
+    from dapo_mcore.parallel.state import gone_peer
+
+    line = gone_peer()
+    if line is None:
+        return None
+    if line:  # "" on the other survivors: one line for the job
+        print(f"dapo-mcore: {line}", file=sys.stderr, flush=True)
+    return PEER_LOST_EXIT_CODE
 
 
 # `--help` epilogs: real commands a user can paste from the repository root

@@ -44,7 +44,7 @@ from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.processes import Terminated
-from dapo_mcore.utils.timers import PhaseTimer, phase_scope
+from dapo_mcore.utils.timers import PhaseTimer, note_step, phase_scope
 
 log = get_logger(__name__)
 
@@ -74,6 +74,7 @@ def train(cfg: RunConfig) -> TrainOutcome:
                 report_held_out_before_training(run)
             for step in range(first_step + 1, cfg.trainer.steps + 1):
                 stop_if_signalled(run, step - 1, saved_step)
+                note_step(step)
                 with phase_scope("step"):
                     metrics = rl_step(run, step - 1)
                 report(run, step, {**metrics, **validate(run, step)})  # held out: the weights of this update

@@ -136,3 +136,16 @@ def slow_on_rank_1(response: str, reference: str) -> bool:
     if os.environ.get("RANK") == "1":
         time.sleep(2.0)
     return is_correct(response, reference)
+
+
+def kill_rank_1_in_step_2(group) -> bool:
+    """The demo's own filter, except that rank 1 kills itself with SIGKILL in step 2 (as the out-of-memory killer
+    would): what its survivors say about it (tests/dist/test_dead_rank.py)."""
+    import os
+    import signal
+
+    from dapo_mcore.rollout.sampler import correctness_spread
+
+    if os.environ.get("RANK") == "1" and _run_dir_and_step()[1] >= 1:  # one row in metrics.jsonl: step 2
+        os.kill(os.getpid(), signal.SIGKILL)
+    return correctness_spread(group)

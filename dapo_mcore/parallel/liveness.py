@@ -53,6 +53,7 @@ from datetime import timedelta
 from typing import Any
 
 from dapo_mcore.utils.logging import get_logger
+from dapo_mcore.utils.timers import add_observer, current_step, remove_observer
 
 log = get_logger(__name__)
 
@@ -155,6 +156,7 @@ class PeerWatch:
         self._stopping = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._pid = os.getpid()
+        self.prefix = ""  # the store prefix of its keys (start_for_world): what gone_peer_line reads with
 
     @classmethod
     def start_for_world(cls, rank: int, world_size: int, timeout_s: float) -> PeerWatch | None:
@@ -171,13 +173,16 @@ class PeerWatch:
         )
         # a torchrun agent's store outlives a restart of the workers: each attempt's keys apart
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"{PREFIX}/{attempt}.{next(_generations)}", client)
-        watch = cls(store, rank, world_size, timeout_s, f"{addr}:{port}")
+        prefix = f"{PREFIX}/{attempt}.{next(_generations)}"
+        watch = cls(dist.PrefixStore(prefix, client), rank, world_size, timeout_s, f"{addr}:{port}")
+        watch.prefix = prefix
         watch.start()
         return watch
 
     def start(self) -> None:
         self._call(self._store.set, f"host/{self.rank}", socket.gethostname())
+        self._call(self._store.set, f"pid/{self.rank}", str(self._pid))
+        add_observer(self)
         self._call(self._store.add, f"beat/{self.rank}", 1)
         if self._host0 is None:  # rank 0 publishes it now too (all ranks are in init_parallel): a short wait
             try:
@@ -203,6 +208,7 @@ class PeerWatch:
 
     def stop(self) -> None:
         self._done.set()
+        remove_observer(self)
         atexit.unregister(self._at_exit)
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -234,6 +240,20 @@ class PeerWatch:
                     )
                 self._done.set()
                 return
+
+    # ---- the phase this rank is in (a phase observer, utils/timers.py; published with the beats) ---------------
+    def enter(self, name: str) -> None:
+        """Published at once (about ten small store writes a step; TCPStore's client serialises its calls):
+        what a survivor names if this rank's process is killed in this phase (gone_peer_line)."""
+        if name == "step" or self._done.is_set():
+            return
+        try:
+            self._call(self._store.set, f"where/{self.rank}", f"{name} at step {current_step()}")
+        except Exception as err:  # noqa: BLE001 - the watch's own threads judge a store that fails
+            log.debug("peer watch: could not publish the phase (%s)", err)
+
+    def exit(self, name: str) -> None:
+        pass
 
     def _beat(self) -> None:
         store = self._store
@@ -317,6 +337,47 @@ class PeerWatch:
             teller.join(self._telling_s)
         self._done.set()
         self._exit_process(PEER_LOST_EXIT_CODE)
+
+
+def gone_peer_line(watch: PeerWatch, connect_timeout_s: float = 3.0) -> str | None:
+    """After a collective failed or the launcher stopped this rank: the line naming a rank of this host whose
+    process is gone (the out-of-memory killer, kill -9, a crash), from what the ranks published in the store,
+    for the first rank that asks ("" for the others); None when no rank of this host is gone (a rank on another
+    host is found by that host's ranks) or the store cannot be reached within connect_timeout_s (its host is
+    gone: the watch's own verdict covers that)."""
+    import torch.distributed as dist
+
+    addr, port = watch._address.rsplit(":", 1)
+    try:
+        client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=connect_timeout_s),
+                               wait_for_workers=False)  # fmt: skip
+        store, host = dist.PrefixStore(watch.prefix, client), socket.gethostname()
+        for rank in range(watch.world_size):
+            if rank == watch.rank or not store.check([f"pid/{rank}", f"host/{rank}"]):
+                continue
+            pid = int(store.get(f"pid/{rank}"))
+            if store.get(f"host/{rank}").decode() != host or _process_lives(pid):
+                continue
+            if store.add("gone-reported", 1) != 1:  # another survivor says it: this one ends quietly
+                return ""
+            where = store.get(f"where/{rank}").decode() if store.check([f"where/{rank}"]) else "start-up"
+            return (
+                f"rank {rank} (pid {pid}) on host {host} ended during {where}, from outside this run (the "
+                "out-of-memory killer, a kill -9 or a crash: the launcher's summary gives its exit code); every "
+                "complete save is kept: continue with checkpoint.resume=auto"
+            )
+    except Exception as err:  # noqa: BLE001 - the store is gone or refuses: nothing to name from here
+        log.debug("naming a gone rank: the store did not answer (%s)", err)
+    return None
+
+
+def _process_lives(pid: int) -> bool:
+    """Whether a process of this host runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _quietly(fn: Callable[[], Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.parallel import cpu_mode
-from dapo_mcore.parallel.liveness import PeerWatch
+from dapo_mcore.parallel.liveness import PeerWatch, gone_peer_line
 from dapo_mcore.utils.errors import LayoutError
 from dapo_mcore.utils.logging import get_logger
 
@@ -237,10 +237,23 @@ def _watch_peers(timeout_s: float) -> None:
         _PEER_WATCH.append(watch)
 
 
+_LAST_PEER_WATCH: list[PeerWatch] = []  # kept after the world is torn down: the failure path asks it afterwards
+
+
+def gone_peer() -> str | None:
+    """The line naming a rank of this host whose process is gone, for the first survivor that asks
+    (liveness.gone_peer_line); None without a watch or such a rank. Asked after the run's failure has torn
+    the world down, through the watch that world had."""
+    watch = (_PEER_WATCH or _LAST_PEER_WATCH or [None])[-1]
+    return gone_peer_line(watch) if watch is not None else None
+
+
 def _leave_peer_watch() -> None:
     """Before the group goes: this rank has left (others must not take its silence for a lost host)."""
     while _PEER_WATCH:
-        _PEER_WATCH.pop().leave()
+        watch = _PEER_WATCH.pop()
+        watch.leave()
+        _LAST_PEER_WATCH[:] = [watch]
 
 
 def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:

@@ -22,16 +22,35 @@ class PhaseObserver(Protocol):
 
 
 _observers: list[PhaseObserver] = []
+_step = [0]  # the step (updates done + 1) the run is in: what a phase is named with in a rank's lost-peer line
+
+
+def add_observer(observer: PhaseObserver) -> None:
+    _observers.append(observer)
+
+
+def remove_observer(observer: PhaseObserver) -> None:
+    if observer in _observers:
+        _observers.remove(observer)
 
 
 @contextlib.contextmanager
 def observing(observer: PhaseObserver) -> Iterator[None]:
     """Call `observer` around every phase while inside."""
-    _observers.append(observer)
+    add_observer(observer)
     try:
         yield
     finally:
-        _observers.remove(observer)
+        remove_observer(observer)
+
+
+def note_step(step: int) -> None:
+    """The step the run is in now (the trainer, before each)."""
+    _step[0] = step
+
+
+def current_step() -> int:
+    return _step[0]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,36 @@
+"""A rank killed from outside under torchrun (the out-of-memory killer's way): a survivor on its host names it,
+its pid, host and phase, once for the job, with what to do (it ended in 3-4 s with gloo's and torchrun's
+tracebacks only)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO, free_port
+
+
+def test_a_rank_killed_under_torchrun_is_named_once_by_a_survivor(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=4",
+        "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32",
+        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.progress=false",
+        "algorithm.dynamic_sampling.filter=tests.verifiers:kill_rank_1_in_step_2",
+        f"logging.run_dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    named = [line for line in output.splitlines() if "from outside this run" in line]
+    assert len(named) == 1, output[-4000:]
+    assert re.fullmatch(
+        r"dapo-mcore: rank 1 \(pid \d+\) on host \S+ ended during \w+ at step 2, from outside this run \(the "
+        r"out-of-memory killer, a kill -9 or a crash: the launcher's summary gives its exit code\); every complete "
+        r"save is kept: continue with checkpoint.resume=auto",
+        named[0],
+    ), named[0]
