@@ -110,7 +110,7 @@ def restore(run: Run) -> int:
         return 0
     with phase_scope("restore"):
         state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
-        run.sampler.load_state_dict(state["sampler"])
+        run.sampler.load_state_dict(state["sampler"], step=int(state["step"]))
     return int(state["step"])
 
 

@@ -44,7 +44,7 @@ from dapo_mcore.rollout.partial import (
 )
 from dapo_mcore.rollout.placement import ReplicaSplit
 from dapo_mcore.rollout.scoring import GroupScoring
-from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.errors import CheckpointError, DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer, phase_scope
@@ -374,17 +374,56 @@ class RolloutSampler:
             "unfinished": [group_to_dict(g) for g in self.unfinished],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], step: int | None = None) -> None:
+        """The sampler of a save made after `step` updates (None: not checked against a step): its carried and
+        unfinished groups checked as the run wrote them (saved_groups), a CheckpointError naming what is not."""
         self.prompts.load_state_dict(state["prompts"])
-        self.carry = [group_from_dict(g) for g in state["carry"]]
+        self.carry = saved_groups(state["carry"], "carried", step)
         self.keep_rate.load_state_dict(state["keep_rate"])
-        self.unfinished = [group_from_dict(g) for g in state.get("unfinished", [])]  # saves before partial rollout
+        self.unfinished = saved_groups(state.get("unfinished", []), "unfinished", step)  # saves before partial rollout
         n = self.settings.n_samples_per_prompt
         other = [g for g in self.carry + self.unfinished if len(g.samples) != n]
         if other and self.rank == 0:
             log.warning("the save holds %d groups of %s answers (carried over or unfinished), where "
                         "rollout.n_samples_per_prompt is now %d: they are trained as they are, the new size from "
                         "the next new prompt on", len(other), sorted({len(g.samples) for g in other}), n)  # fmt: skip
+
+
+def saved_groups(saved: list[dict], kind: str, step: int | None) -> list[Group]:
+    """Groups of a save (carried over, or unfinished answers of partial rollout) as the run wrote them: token ids
+    non-negative integers, one finite non-positive log-prob each, weight versions no newer than the save's step
+    and covering the answer. A hand-edited or damaged buffer is one CheckpointError naming the group and what is
+    wrong (an id out of range reached the engine and was reported as its failure, a wrong type was a TypeError,
+    a version from the future a negative lag)."""
+    groups = []
+    for g, state in enumerate(saved):
+        where = f"the save's {kind} group {g}"
+        try:
+            group = group_from_dict(state)
+        except (TypeError, ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{where} is not what the run wrote: {type(err).__name__}: {err}") from None
+        for a, sample in enumerate(group.samples):
+            problem = _saved_sample_problem(sample, step)
+            if problem:
+                raise CheckpointError(f"{where} (prompt {group.prompt.uid}), answer {a}: {problem}")
+        groups.append(group)
+    return groups
+
+
+def _saved_sample_problem(sample: Sample, step: int | None) -> str | None:
+    ids, logprobs = sample.response_ids, sample.rollout_logprobs
+    if len(ids) and int(ids.min()) < 0:
+        return f"token id {int(ids.min())} (ids are >= 0)"
+    if len(logprobs) != len(ids):
+        return f"{len(ids)} tokens and {len(logprobs)} log-probs"
+    if len(logprobs) and not (torch.isfinite(logprobs).all() and float(logprobs.max()) <= 0.0):
+        return "a log-prob that is not finite or is above 0"
+    versions = sample.token_versions()
+    if sum(n for _, n in versions) != len(ids):
+        return f"its weight versions cover {sum(n for _, n in versions)} of its {len(ids)} tokens"
+    if step is not None and max((v for v, _ in versions), default=sample.policy_step) > step:
+        return f"weight version {max(v for v, _ in versions)}, newer than the save's step {step}"
+    return None
 
 
 def _sample_tokens(group: Group | GroupSummary, i: int) -> int:

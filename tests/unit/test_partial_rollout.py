@@ -137,3 +137,29 @@ def test_with_partial_rollout_a_carried_group_older_than_the_staleness_bound_is_
     batch = s.next_batch(2, PhaseTimer())  # two updates after they were begun
     assert not carried & {g.prompt.uid for g in batch.groups}
     assert max(2 - smp.policy_step for g in batch.groups for smp in g.samples) <= 1
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update(response_ids=[-5, *s["response_ids"][1:]]), "answer 0: token id -5 (ids are >= 0)"),
+        (lambda s: s.update(response_ids="abc"), "is not what the run wrote: "),
+        (lambda s: s.update(policy_step=99, version_runs=[]), "weight version 99, newer than the save's step 1"),
+        (lambda s: s.update(rollout_logprobs=[0.5] * len(s["response_ids"])), "a log-prob that is not finite or"),
+    ],
+)
+def test_a_hand_edited_partial_rollout_buffer_is_refused_naming_the_group(edit, message):
+    """Out-of-vocabulary ids were blamed on the engine, a wrong type was a TypeError, a version from the future
+    a negative lag."""
+    from dapo_mcore.utils.errors import CheckpointError
+
+    sampler, _ = make(dynamic_sampling=False)
+    sampler.next_batch(0, PhaseTimer())
+    state = copy.deepcopy(sampler.state_dict())
+    group = next(g for g in state["unfinished"] if any(len(s["response_ids"]) for s in g["samples"]))
+    edit(next(s for s in group["samples"] if len(s["response_ids"])))
+    fresh, _ = make(dynamic_sampling=False)
+    with pytest.raises(CheckpointError, match="the save's unfinished group") as err:
+        fresh.load_state_dict(state, step=1)
+    assert message in str(err.value), str(err.value)
+    fresh.load_state_dict(copy.deepcopy(sampler.state_dict()), step=1)  # as the run wrote it: taken
