@@ -45,6 +45,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/e2e/test_smollm2.py",
     "tests/engines/test_sglang_cpu.py",
     "tests/dist/test_actor_parallel.py",
+    "tests/dist/test_rehearsal.py",  # one rehearsal at 2 and 4 processes (about 2.5 min alone)
     "tests/dist/test_conversion.py",
     "tests/engines/test_engine_contract.py",
     "tests/dist/test_moe_parallel.py",
@@ -58,6 +59,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/unit/test_plan.py",
     "tests/faults/test_resume_changes.py",
     "tests/dist/test_liveness.py",  # its two tests share one launcher run (4 scenarios at once)
+    "tests/dist/test_dead_rank.py",
 )
 SLURM_GROUP = "tests/slurm/"  # the tier shares one one-node cluster (tests/slurm/conftest.py)
 # Modules that join another's unit: they use its session-scoped fixture (checkpoint_reference below).
