@@ -48,6 +48,7 @@ class RecipeShape:
     prompts_per_round: int
     mini_batch_size: int  # answers per optimizer update
     max_response_len: int
+    micro_batch_size: int = 1  # the smallest mini-batch the trainer takes
 
     @classmethod
     def of(cls, cfg: RunConfig, gpus: int) -> RecipeShape:
@@ -67,6 +68,7 @@ class RecipeShape:
             ro.gen_prompts_per_round,
             cfg.trainer.mini_batch_size,
             ro.sampling.max_response_len,
+            cfg.trainer.micro_batch_size,
         )
 
     @property
@@ -106,7 +108,9 @@ def per_rank_counts(shape: RecipeShape, world: int, load: float) -> Counts:
     prompts = max(1, round(load * shape.prompts_per_step / shape.dp))
     per_round = max(prompts, round(load * shape.prompts_per_round / shape.replicas))
     answers = world * prompts * shape.answers_per_prompt
-    return Counts(world, world * prompts, world * per_round, max(1, answers // shape.updates_per_step))
+    # the recipe's updates a step, as far as the trainer's micro-batch size lets a small load keep them
+    mini_batch = max(shape.micro_batch_size, answers // shape.updates_per_step)
+    return Counts(world, world * prompts, world * per_round, min(mini_batch, answers))
 
 
 def full_counts(shape: RecipeShape, world: int) -> Counts:

@@ -9,10 +9,16 @@ starts also die with their parent when it is killed outright (SIGKILL), through 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import hashlib
+import os
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -64,3 +70,49 @@ def _ignores_sigterm(pid: int) -> bool:
     except (OSError, StopIteration):
         return False
     return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def adopt_run_tmp(run_dir: str, rank: int) -> Path:
+    """This rank's temporary directory for the run (TMPDIR and tempfile's for this process and its children):
+    <system tmp>/dapo_mcore-<hash of the run directory>-rank<R>, holding its owner's pid. The processes the run
+    starts make their temporary files there (multiprocessing's pymp-* sockets, the engines'). A normal exit
+    removes it; after a kill -9 it stays until the run directory's next start, which removes it once its owner
+    is gone (they stayed in /tmp for good)."""
+    path = run_tmp_of(run_dir, rank)
+    owner = path / "pid"
+    if path.is_dir() and not _alive(_read_pid(owner)):
+        shutil.rmtree(path, ignore_errors=True)  # a killed run's leftovers
+    path.mkdir(exist_ok=True)
+    owner.write_text(f"{os.getpid()}\n")
+    os.environ["TMPDIR"] = tempfile.tempdir = str(path)
+    me = os.getpid()
+    atexit.register(lambda: os.getpid() == me and shutil.rmtree(path, ignore_errors=True))
+    return path
+
+
+def run_tmp_of(run_dir: str, rank: int) -> Path:
+    """Where adopt_run_tmp puts a run's rank's temporary files (under the system's temporary directory)."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(_SYSTEM_TMP) / f"dapo_mcore-{digest}-rank{rank}"
+
+
+_SYSTEM_TMP = tempfile.gettempdir()  # at import, before a run's TMPDIR replaces it
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid
+        return True
+    return True

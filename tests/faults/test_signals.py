@@ -17,6 +17,7 @@ import pytest
 
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
+from dapo_mcore.utils.processes import run_tmp_of
 from tests.e2e.test_quiet_output import wandb_history_steps
 from tests.e2e.test_train_cli import read_rows
 from tests.warm_cli import WarmProcess, cli_env, start_warm
@@ -108,8 +109,12 @@ def test_after_a_sigkill_no_process_of_the_run_is_left_and_the_run_continues(tmp
     proc.kill()
     proc.wait()
     assert gone(children) == []
+    # the killed run's temporary files are in its own directory (multiprocessing's pymp-* stayed in /tmp for good)
+    run_tmp = run_tmp_of(str(run_dir), 0)
+    assert list(run_tmp.glob("pymp-*")), sorted(p.name for p in run_tmp.iterdir())
     newest = int(find_latest_complete(run_dir / "checkpoints").name.removeprefix("step_"))  # SIGKILL: one may be cut
     resumed = start(run_dir, "checkpoint.resume=auto", f"trainer.steps={newest + 1}")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert not run_tmp.exists()  # removed by the next start (its owner gone) and the normal end
     assert f"at step {newest}" in err and [row["step"] for row in read_rows(run_dir)][-1] == newest + 1

@@ -176,3 +176,13 @@ def test_a_rehearsals_computed_micro_batch_is_its_first_rows_and_positions():
     assert cut.sample_index == [0, 1, 2, 3] and [seg[1] for seg in cut.segments] == [0, 1, 2, 3]
     assert cut.tokens.data_ptr() == mb.tokens.data_ptr()  # a view: nothing copied
     assert mb.tokens.shape == (6, 3008)
+
+
+def test_a_small_per_rank_load_keeps_mini_batches_the_trainer_takes():
+    """The MoE recipe at an 8k mean: about 1 prompt a rank, 2 answers an update at N=2, under the micro-batch
+    size of 4 the trainer requires (the rehearsal stopped on it)."""
+    cfg = load_config(REPO / "examples/dapo_qwen3_30b_a3b_h100.yaml")
+    shape = RecipeShape.of(cfg, gpus=8)
+    counts = per_rank_counts(shape, 2, load=0.02)
+    assert counts.mini_batch_size >= cfg.trainer.micro_batch_size
+    assert counts.mini_batch_size <= counts.prompts_per_step * shape.answers_per_prompt
