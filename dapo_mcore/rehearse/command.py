@@ -40,45 +40,45 @@ class RehearsalFailed(DapoError):
 
 def rehearse_command(args: argparse.Namespace) -> int:
     if args.report_only:  # the runs of an earlier rehearsal into that directory, judged again
-        if not args.out or not (Path(args.out) / "args.json").is_file():
-            raise ConfigError("--report-only needs --out DIR of an earlier rehearsal (its args.json)")
-        saved = json.loads((Path(args.out) / "args.json").read_text())
-        args = argparse.Namespace(**{**saved, "out": args.out, "report_only": True})
+        args = _saved_args(args.out)
     cfg = load_config(args.recipe, args.overrides)  # checked as the rehearsal's config below (its model is not here)
     hf = read_model_config(args.model_config, cfg.model.hf_path)
     shape = RecipeShape.of(cfg, args.gpus)
     per_rank = args.mode == "per-rank"
-    worlds = args.world_size or ([2, 4, 8] if per_rank else [2])
-    steps = args.steps or (2 if per_rank else 1)
     load = (args.load or default_load(shape, args.mean_len)) if per_rank else 1.0
     out = Path(args.out or f"runs/rehearsal/{cfg.name}-{args.mode}-{args.mean_len:g}")
     positions = (cfg.data.max_prompt_len or 512) + cfg.rollout.sampling.max_response_len  # 0: prompts unlimited
     model_dir = shrink_model(hf, out / "model", positions)
-    plan = plan_memory(cfg, hf, args.gpu_gb, args.gpus)
-    rehearsal = Rehearsal(
-        args.recipe, cfg.name, args.mode, shape, args.mean_len, load, steps, args.micro_batches, plan, not args.no_save
-    )
+    steps = args.steps or (2 if per_rank else 1)
+    rehearsal = Rehearsal(args.recipe, cfg.name, args.mode, shape, args.mean_len, load, steps, args.micro_batches,
+                          plan_memory(cfg, hf, args.gpu_gb, args.gpus), not args.no_save)  # fmt: skip
     print(rehearsal.header(), flush=True)
     if not args.report_only:
         out.mkdir(parents=True, exist_ok=True)
         (out / "args.json").write_text(json.dumps({k: v for k, v in vars(args).items() if k != "func"}, indent=1))
-    for world in worlds:
+    for world in args.world_size or ([2, 4, 8] if per_rank else [2]):
         counts = per_rank_counts(shape, world, load) if per_rank else full_counts(shape, world)
         run_dir = out / f"N{world}"
         # the user's overrides describe the recipe (its counts are the shape above); the rehearsal's come last
         overrides = [*args.overrides, *rehearsal_overrides(counts, model_dir, run_dir, args.mean_len, steps,
                                                            args.micro_batches, save=not args.no_save)]  # fmt: skip
-        records = run_dir / "records"
         if not args.report_only:
             validate(load_config(args.recipe, overrides))  # a bad override in one line, before any process starts
             run_world(args, overrides, world, run_dir)
         seconds = float((run_dir / "wall_s").read_text())
-        rehearsal.worlds.append(World.read(world, counts, records, run_dir, seconds))
+        rehearsal.worlds.append(World.read(world, counts, run_dir / "records", run_dir, seconds))
         print(rehearsal.worlds[-1].summary_line(), flush=True)
-    report = write_report(rehearsal, out)
-    print(report)
+    print(write_report(rehearsal, out))
     print(f"report: {out / 'report.md'} (and report.json)")
     return 0
+
+
+def _saved_args(out: str | None) -> argparse.Namespace:
+    """The arguments an earlier rehearsal into `out` ran with (its args.json)."""
+    if not out or not (Path(out) / "args.json").is_file():
+        raise ConfigError("--report-only needs --out DIR of an earlier rehearsal (its args.json)")
+    saved = json.loads((Path(out) / "args.json").read_text())
+    return argparse.Namespace(**{**saved, "out": out, "report_only": True})
 
 
 def run_world(args: argparse.Namespace, overrides: list[str], world: int, run_dir: Path) -> None:
