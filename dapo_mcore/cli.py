@@ -240,7 +240,7 @@ def _add_rehearse_parsers(sub) -> None:
         "rehearse",
         help="the recipe's step at its real counts through the real loop on the CPU: memory and bytes per rank",
     )
-    cmd.add_argument("recipe", help="recipe YAML (see examples/)")
+    cmd.add_argument("recipe", nargs="?", help="recipe YAML (see examples/); none with --report-only")
     cmd.add_argument("overrides", nargs="*", help="section.key=value overrides of the recipe, right after it (the "
                      "rehearsal's own settings, rehearse/setup.py, come after them)")  # fmt: skip
     cmd.add_argument("--mode", choices=("per-rank", "full-count"), default="per-rank",

@@ -41,6 +41,8 @@ class RehearsalFailed(DapoError):
 def rehearse_command(args: argparse.Namespace) -> int:
     if args.report_only:  # the runs of an earlier rehearsal into that directory, judged again
         args = _saved_args(args.out)
+    if not args.recipe:
+        raise ConfigError("rehearse: name the recipe (examples/*.yaml), or --report-only --out DIR")
     cfg = load_config(args.recipe, args.overrides)  # checked as the rehearsal's config below (its model is not here)
     hf = read_model_config(args.model_config, cfg.model.hf_path)
     shape = RecipeShape.of(cfg, args.gpus)

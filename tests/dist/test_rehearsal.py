@@ -48,3 +48,8 @@ def test_per_rank_memory_and_bytes_stay_flat_as_ranks_double_and_a_gather_of_eve
     # every sample to every rank: the exchange's bytes double with the ranks, and the report names it
     assert grown(step2, "received MB") == ["step", "exchange"] and exchange(step2)[1] > 1.8 * exchange(step2)[0]
     assert "- exchange: received MB grows with the ranks" in text
+    # the same runs judged again without running anything
+    again = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "rehearse", "--report-only", "--out", str(out)],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text())["growth_by_step"] == report["growth_by_step"]
