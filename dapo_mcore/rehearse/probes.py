@@ -280,7 +280,8 @@ def held_by(obj: Any, depth: int = 3, ignore: set[int] | None = None) -> str:
                 return f"{type(ref).__name__}.{attribute}"
     del referrers
     if keyed is not None:
-        return f"{held_by(keyed[0], depth - 1, ignore)}[{keyed[1]!r}]"
+        key = keyed[1] if isinstance(keyed[1], (str, int, tuple)) else f"<{type(keyed[1]).__name__}>"
+        return f"{held_by(keyed[0], depth - 1, ignore)}[{key!r}]"
     if placed is not None:
         index = next((i for i, v in enumerate(placed) if v is obj), None)
         return f"{held_by(placed, depth - 1, ignore)}[{index}]"

@@ -2,10 +2,10 @@
 with the number of ranks when each rank's own share is held (per-rank mode), what holds more than a rank's
 share of the step (full-count mode), and the memory planner's per-GPU figures at the real shape beside them.
 
-A per-rank figure should follow the rank's own share of the step (REFERENCE.md section 6): at a held share it
-stays flat as ranks are added. One that grows is named, with its fitted growth per rank and its value
-projected to the recipe's world; one that holds more elements than the rank's share of the step's tokens is
-named in full-count mode.
+A per-rank figure should follow the rank's own share of the step: at a held share it stays flat as ranks are
+added. One that grows is named, with its fitted growth per rank and its value projected to the recipe's world.
+Full-count mode names the Python containers with an entry per token of a rank's share and lists the largest
+tensors at the real count, in bytes per token of the share.
 """
 
 from __future__ import annotations
@@ -208,44 +208,35 @@ def growth_table(worlds: list[World], project_to: int, step: int | None = None) 
     return out
 
 
-# What the rehearsal's own set-up holds, named but not flagged: held_by prefix -> why it is there.
-KNOWN_HOLDERS = {
-    "GlobalMemoryBuffer.buffer": "Megatron's local attention workspace: rows x heads x length^2 of the micro-batch "
-    "being computed (the CPU's local layers; Transformer Engine's fused attention on a GPU keeps none)",
-}
-
-
-def known_holder(held_by: str) -> str | None:
-    return next((why for prefix, why in KNOWN_HOLDERS.items() if held_by.startswith(prefix)), None)
-
-
-def beyond_share(world: World) -> list[str]:
-    """Full-count mode: what holds more elements than 1.5 x this rank's share of the step's tokens (a per-rank
-    array of every token of the step shows up so), except KNOWN_HOLDERS, which are listed with their reason."""
+def per_token_containers(world: World) -> list[str]:
+    """Full-count mode: Python containers with more entries than half this rank's share of the step's tokens (a
+    list of numbers costs about 70 bytes a token: 4.7 GB at an 8k mean), named with what holds them."""
     share = world.tokens_per_step() / world.n
-    if share <= 0:
-        return []
     found: dict[str, str] = {}
     for phase, figures in world.phases().items():
-        items = [(t, _elements(t), f"tensor {t['shape']} {t['dtype']}") for t in figures.largest_tensors]
-        items += [(c, c["len"], f"{c['type']} of {c['len']:,}") for c in figures.longest_containers]
-        for item, elements, what in items:
-            if elements <= 1.5 * share or item["held_by"] in found:
-                continue
-            why = known_holder(item["held_by"])
-            note = f" (not a per-token array: {why})" if why else ""
-            found[item["held_by"]] = (
-                f"{phase}: {what} held by {item['held_by']} (rank {item['rank']}): {elements:,} elements, over 1.5 x "
-                f"the rank's share of the step ({share:,.0f} tokens){note}"
-            )
+        for c in figures.longest_containers:
+            if share > 0 and c["len"] > 0.5 * share and c["held_by"] not in found:
+                found[c["held_by"]] = (
+                    f"{phase}: a {c['type']} of {c['len']:,} entries held by {c['held_by']} (rank {c['rank']}): an "
+                    f"entry for each of the rank's {share:,.0f} tokens or more"
+                )
     return list(found.values())
 
 
-def _elements(tensor: dict[str, Any]) -> int:
-    n = 1
-    for size in tensor.get("shape", [0]):
-        n *= size
-    return n
+def largest_objects(world: World) -> list[str]:
+    """Full-count mode: the largest tensors of the step's phases, in bytes per token of the rank's share (what
+    they become at other lengths and counts), each once (its largest) with what holds it. Whether one follows
+    the rank's share or the step's global count is per-rank mode's judgement; here its size at the real count."""
+    share = world.tokens_per_step() / world.n
+    seen: dict[str, tuple[float, str]] = {}
+    for phase, figures in world.phases().items():
+        for t in figures.largest_tensors:
+            size = t["bytes"]
+            if size > seen.get(t["held_by"], (0.0, ""))[0]:
+                per_token = f", {size / share:.1f} B a token of the rank's share" if share else ""
+                seen[t["held_by"]] = (size, f"{t['held_by']}: [{', '.join(map(str, t['shape']))}] {t['dtype']}, "
+                                            f"{size / MB:,.0f} MB in {phase}{per_token}")  # fmt: skip
+    return [line for _, line in sorted(seen.values(), reverse=True)[:8]]
 
 
 @dataclass
@@ -346,10 +337,15 @@ def format_report(rehearsal: Rehearsal) -> str:
             )
         lines.append("")
     found = [f"{g.phase}: {g.quantity} grows with the ranks ({_values(g)})" for g in flagged]
+    largest: list[str] = []
     if rehearsal.mode == "full-count":
         for world in rehearsal.worlds:
-            found += beyond_share(world)
-    lines += ["## Named", ""] + ([f"- {item}" for item in found] or ["- nothing grows with the global count"])
+            found += per_token_containers(world)
+            largest += largest_objects(world)
+    nothing = "- nothing grows with the global count" if rehearsal.mode == "per-rank" else "- no per-token container"
+    lines += ["## Named", ""] + ([f"- {item}" for item in found] or [nothing])
+    if largest:
+        lines += ["", "## The largest tensors of a rank (the real count)", "", *[f"- {line}" for line in largest]]
     lines += ["", *_plan_lines(rehearsal.plan, rehearsal.shape.gpus)]
     return "\n".join(lines) + "\n"
 
