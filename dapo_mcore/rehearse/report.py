@@ -42,6 +42,11 @@ QUANTITIES = (
     ("seconds", "seconds", "sum", None),  # shown, never judged: 2 cores shared by N processes
 )
 GROWTH_TOLERANCE = 0.1  # and at least this share of the value at the fewest ranks (a bytes figure near zero)
+# The bytes of the phase that moves the step's kept samples follow the rank's share of the kept answer tokens,
+# which is drawn (lognormal lengths, which groups dynamic sampling keeps): at a few prompts a rank, the share
+# itself varies by 20% between runs. Judged per kept token (scaled to the fewest ranks' share), where the runs
+# recorded rollout/trained_answer_tokens.
+PER_KEPT_TOKEN = {("exchange", "sent_mb"), ("exchange", "received_mb")}
 
 
 def _figures(record: dict[str, Any]) -> dict[str, float]:
@@ -136,6 +141,11 @@ class World:
         answers = self.counts.prompts_per_step * _answers_per_prompt(rows[-1])
         return max(m["rollout/response_len_mean"] for m in rows) * answers
 
+    def kept_tokens_per_rank(self, step: int | None = None) -> float:
+        """The rank's share of the step's trained answer tokens (the worst step's, or `step`'s); 0 if unrecorded."""
+        rows = [m for m in self.metrics if "rollout/trained_answer_tokens" in m and step in (None, m["step"])]
+        return max((m["rollout/trained_answer_tokens"] for m in rows), default=0.0) / self.n
+
     def summary_line(self) -> str:
         peak = max((p["peak_rss_mb"] for p in self.processes), default=0.0)
         return (
@@ -195,12 +205,16 @@ def growth_table(worlds: list[World], project_to: int, step: int | None = None) 
         return []
     by_world = [w.phases(step) for w in worlds]
     sizes = [w.n for w in worlds]
+    shares = [w.kept_tokens_per_rank(step) for w in worlds]
     out = []
     for phase in PHASES:
         if not all(phase in figures for figures in by_world):
             continue
         for key, label, _, floor in QUANTITIES:
             values = [figures[phase].mean.get(key, 0.0) for figures in by_world]
+            if (phase, key) in PER_KEPT_TOKEN and all(shares):
+                values = [v * shares[0] / share for v, share in zip(values, shares)]
+                label += f" per kept token (x N={sizes[0]}'s share)"
             intercept, slope = fit(sizes, values)
             rise = values[-1] - values[0]
             grows = floor is not None and rise > floor and rise > GROWTH_TOLERANCE * values[0]

@@ -185,6 +185,8 @@ class RolloutSampler:
         batch_groups, self.carry = groups[: len(chosen)], groups[len(chosen) :]
         self.scoring.assign_advantages(batch_groups)
         metrics = _rollout_metrics(generated, batch_groups, rounds, len(self.carry), cfg)
+        # the step's trained answer tokens (every rank's groups, from the summaries every rank holds)
+        metrics["rollout/trained_answer_tokens"] = float(sum(s.response_len for g in chosen for s in g.samples))
         metrics["dynamic_sampling/dropped_surplus_groups"] = float(len(surplus) - len(self.carry))
         metrics.update(_policy_lag_metrics(batch_groups, step))
         metrics["dynamic_sampling/cap_hit"] = float(cap_hit)

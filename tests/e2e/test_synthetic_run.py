@@ -57,6 +57,9 @@ def test_the_demo_recipe_trains_three_steps_on_the_synthetic_engine(tmp_path, mo
     for row in rows:
         assert row["dynamic_sampling/kept_groups"] > 0 and "loss/policy" in row  # every step made an update
         assert 0 < row["rollout/accuracy"] < 1 and row["rollout/response_len_max"] <= 32
+        answers = row["rollout/generated_samples"] / row["dynamic_sampling/generated_groups"]
+        trained_answers = row["dynamic_sampling/kept_groups"] * answers
+        assert trained_answers <= row["rollout/trained_answer_tokens"] <= 32 * trained_answers
     lengths = [r["rollout/response_len_mean"] for r in rows]
     assert lengths[0] < 12 and lengths[2] > 14  # means 8 and 24 before the cap (24's answers cut at 32)
     assert rows[2]["rollout/truncated_frac"] > 0.05

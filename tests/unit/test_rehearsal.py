@@ -139,8 +139,11 @@ def test_the_fit_and_projection_of_a_quantity_that_grows_with_the_ranks():
 
 
 class _World:
-    def __init__(self, n, received):
-        self.n, self.received = n, received
+    def __init__(self, n, received, kept_tokens=0.0):
+        self.n, self.received, self.kept_tokens = n, received, kept_tokens
+
+    def kept_tokens_per_rank(self, step=None):
+        return self.kept_tokens / self.n
 
     def phases(self, step=None):
         from dapo_mcore.rehearse.report import PhaseFigures
@@ -157,6 +160,17 @@ def test_growth_is_named_past_its_tolerance_and_floor_and_not_below():
     assert received.grows and received.projected == pytest.approx(received.slope * 64 + (4.0 - received.slope * 8))
     tiny = growth_table([_World(2, 0.001), _World(4, 0.002)], project_to=64)  # doubles, but below 64 KB
     assert not [g for g in tiny if g.grows]
+
+
+def test_exchanged_bytes_are_judged_per_kept_token_where_the_runs_recorded_them():
+    """A rank that happened to keep 25% longer answers receives 25% more: not a growth with the ranks. Twice
+    the bytes for the same kept tokens still is."""
+    drawn = growth_table([_World(2, 4.0, 2e5), _World(4, 4.6, 4.6e5), _World(8, 5.0, 1e6)], project_to=64)
+    received = next(g for g in drawn if g.quantity.startswith("received MB"))
+    assert "per kept token" in received.quantity and not received.grows
+    assert received.values == pytest.approx([4.0, 4.0, 4.0])
+    doubling = growth_table([_World(2, 4.0, 2e5), _World(4, 8.0, 4e5), _World(8, 16.0, 8e5)], project_to=64)
+    assert next(g for g in doubling if g.quantity.startswith("received MB")).grows
 
 
 def test_a_rehearsals_computed_micro_batch_is_its_first_rows_and_positions():
