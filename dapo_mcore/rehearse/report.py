@@ -230,11 +230,17 @@ def per_token_containers(world: World) -> list[str]:
     for phase, figures in world.phases().items():
         for c in figures.longest_containers:
             if share > 0 and c["len"] > 0.5 * share and c["held_by"] not in found:
+                holder = _holder(c["held_by"])
                 found[c["held_by"]] = (
-                    f"{phase}: a {c['type']} of {c['len']:,} entries held by {c['held_by']} (rank {c['rank']}): an "
-                    f"entry for each of the rank's {share:,.0f} tokens or more"
+                    f"{phase}: a {c['type']} of {c['len']:,} entries held by {holder} (rank {c['rank']}): an entry "
+                    f"for each of the rank's {share:,.0f} tokens or more"
                 )
     return list(found.values())
+
+
+def _holder(held_by: str) -> str:
+    """The census's '?' (probes.held_by): nothing nameable holds it, as a function's local variable."""
+    return "a local variable" if held_by == "?" else held_by
 
 
 def largest_objects(world: World) -> list[str]:
@@ -248,8 +254,11 @@ def largest_objects(world: World) -> list[str]:
             size = t["bytes"]
             if size > seen.get(t["held_by"], (0.0, ""))[0]:
                 per_token = f", {size / share:.1f} B a token of the rank's share" if share else ""
-                seen[t["held_by"]] = (size, f"{t['held_by']}: [{', '.join(map(str, t['shape']))}] {t['dtype']}, "
-                                            f"{size / MB:,.0f} MB in {phase}{per_token}")  # fmt: skip
+                shape = ", ".join(map(str, t["shape"]))
+                seen[t["held_by"]] = (
+                    size,
+                    f"{_holder(t['held_by'])}: [{shape}] {t['dtype']}, {size / MB:,.0f} MB in {phase}{per_token}",
+                )
     return [line for _, line in sorted(seen.values(), reverse=True)[:8]]
 
 
