@@ -319,7 +319,7 @@ def _format_phase_table(world: World) -> list[str]:
         f = figures[phase]
         cells = [_cell(f.values.get(key, 0.0)) for key, _, _, _ in QUANTITIES]
         tensor = f.largest_tensor
-        held = f"{tensor.get('shape')} {tensor.get('dtype')} ({tensor.get('held_by')})" if tensor else ""
+        held = f"{tensor.get('shape')} {tensor.get('dtype')} ({_holder(tensor.get('held_by', '?'))})" if tensor else ""
         lines.append(f"| {phase} | " + " | ".join(cells) + f" | {held} |")
     return lines
 
