@@ -182,3 +182,24 @@ def test_a_key_added_since_an_older_save_at_its_default_does_not_make_another_ex
     assert [c[0] for c in config_changes(saved, now) if changes_the_experiment(c)] == ["rollout.partial_max_staleness"]
     assert changes_the_experiment(("algorithm.clip_high", 0.28, 0.3))
     assert not changes_the_experiment(("trainer.steps", 10, 20))
+
+
+@pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])
+def test_the_resume_warning_on_changed_keys_is_rank_0s_alone(monkeypatch, rank, lines):
+    """Every rank logs warnings (utils/logging.py): the list of changed keys was printed once a rank under torchrun.
+    What every continuation changes (trainer.steps, logging.run_dir) is not listed."""
+    from dapo_mcore import build
+    from dapo_mcore.config.loader import config_to_dict
+
+    saved = load_config(REPO / "examples/smoke_cpu.yaml", [])
+    overrides = ["checkpoint.resume=force", "algorithm.clip_high=0.3", "trainer.steps=99", "logging.run_dir=/x"]
+    now = load_config(REPO / "examples/smoke_cpu.yaml", overrides)
+    warned = []
+    monkeypatch.setattr(build.log, "warning", lambda fmt, *args: warned.append(fmt % args))
+    monkeypatch.setenv("RANK", rank)
+    build.check_config_changes(now, build.Resume(Path("step_000002"), {"config": config_to_dict(saved)}))
+    assert len(warned) == lines
+    if warned:
+        assert warned[0] == "resuming from step_000002 with 1 config keys changed since the save: " + (
+            "algorithm.clip_high: 0.28 -> 0.3"
+        )
