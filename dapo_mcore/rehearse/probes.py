@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,10 @@ _COUNTED = (
 )
 
 
+class _Inside(threading.local):
+    active = False
+
+
 @dataclass
 class ByteCounter:
     """Counts the payload of every torch.distributed collective of this process. Installed before Megatron-Core
@@ -124,6 +129,7 @@ class ByteCounter:
     received: int = 0
     by_call: dict[str, list[int]] = field(default_factory=dict)
     _originals: dict[str, Any] = field(default_factory=dict)
+    _inside: threading.local = field(default_factory=_Inside)
 
     def install(self) -> ByteCounter:
         from torch.distributed import distributed_c10d
@@ -151,12 +157,20 @@ class ByteCounter:
         signature = inspect.signature(original)
 
         def counted(*args, **kwargs):
+            # A collective called again from inside one is the same transfer: the CPU device mode's
+            # __torch_function__ (parallel/cpu_mode.py) calls the public name, this wrapper, a second time.
+            if self._inside.active:
+                return original(*args, **kwargs)
             sent, received = _payload(name, signature.bind(*args, **kwargs).arguments)
             self.sent += sent
             self.received += received
             calls = self.by_call.setdefault(name, [0, 0, 0])
             calls[0], calls[1], calls[2] = calls[0] + 1, calls[1] + sent, calls[2] + received
-            return original(*args, **kwargs)
+            self._inside.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside.active = False
 
         counted.__wrapped__ = original
         counted.__name__ = name

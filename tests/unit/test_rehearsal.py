@@ -97,6 +97,25 @@ def test_the_counter_wraps_the_collectives_and_gives_them_back():
     assert torch.distributed.all_reduce is original
 
 
+def test_a_collective_that_calls_its_public_name_again_is_counted_once(monkeypatch):
+    """The CPU device mode's __torch_function__ calls the public name (the counter's wrapper) again from inside
+    the collective: every exchange of the rehearsals was counted twice."""
+    monkeypatch.setattr(probes, "_group_rank_size", lambda group: (0, 4))
+    counter = probes.ByteCounter()
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):  # torch's signature, as the device mode calls it
+        calls.append(tensor.numel())
+        if len(calls) == 1:
+            counted(tensor)
+
+    counted = counter._wrap("all_reduce", all_reduce)
+    counted(torch.zeros(10))
+    assert calls == [10, 10] and (counter.sent, counter.received) == (40, 40)
+    counted(torch.zeros(5))
+    assert (counter.sent, counter.received) == (60, 60)
+
+
 def test_the_census_finds_the_largest_tensor_and_names_what_holds_it():
     class Holder:
         pass
