@@ -498,7 +498,27 @@ def _writer_results_queue_dies_with_us() -> None:
         return  # already made (by us or by Megatron), or a Megatron without this queue
     _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
     _WRITER_MANAGER.start(initializer=die_with_parent)
-    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+    filesystem_async._results_queue = _QuietResultsQueue(_WRITER_MANAGER.Queue())
+
+
+class _QuietResultsQueue:
+    """The write-results queue's proxy, whose put (in Megatron's forked writer process) ends that process
+    quietly when the manager behind the queue is gone: the run names the dead manager at the step boundary
+    (_check_writers), and the writer's own 20-line traceback (EOFError) used to come first."""
+
+    def __init__(self, proxy: Any):
+        self._proxy = proxy
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._proxy.put(item, *args, **kwargs)
+        except (EOFError, ConnectionError):  # BrokenPipe and ConnectionRefused are ConnectionErrors
+            raise SystemExit(1) from None  # multiprocessing prints no traceback for SystemExit
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_proxy":  # unpickling looks up attributes before __init__ has set it
+            raise AttributeError(name)
+        return getattr(self._proxy, name)
 
 
 def _dead_writer_manager() -> Any:
