@@ -37,6 +37,26 @@ def test_scancel_mid_run_saves_at_the_step_boundary(slurm_cluster, tmp_path):
     verify_complete(save, checksums=True)
 
 
+def test_a_task_killed_under_srun_is_named_once_by_a_survivor(slurm_cluster, tmp_path):
+    """srun's side of tests/dist/test_dead_rank.py: rank 1 SIGKILLs itself in step 2 (the out-of-memory killer's
+    way); rank 0's process serves the store there, and the survivor names rank 1 once for the job."""
+    killing = ["algorithm.dynamic_sampling.filter=tests.verifiers:kill_rank_1_in_step_2", "trainer.steps=4"]
+    job_id, _ = submit(slurm_cluster, tmp_path, "killed", overrides=killing)
+    record = slurm_cluster.wait(job_id, timeout=300)
+    out = job_output(tmp_path, "killed", job_id)
+    logs = "".join(path.read_text() for path in sorted((tmp_path / "logs").glob("killed-*/attempt-0-task-*.log")))
+    assert record["JobState"] == "FAILED", f"{record}\n{out}\n{logs[-4000:]}"
+    named = [line for line in logs.splitlines() if "from outside this run" in line]
+    assert len(named) == 1, logs[-4000:]
+    assert re.fullmatch(
+        r"dapo-mcore: rank 1 \(pid \d+\) on host \S+ ended during \w+ at step 2, from outside this run \(the "
+        r"out-of-memory killer, a kill -9 or a crash: the launcher's summary gives its exit code\); every complete "
+        r"save is kept: continue with checkpoint.resume=auto",
+        named[0],
+    ), named[0]
+    assert "Traceback" not in logs, logs[-4000:]
+
+
 # Stands in for `python -m dapo_mcore.cli train` (train.sbatch runs `$DAPO_PYTHON -m ...`). Attempt 0 waits for
 # the stop file; rank 0 marks the save complete (as the trainer does) and is still closing down when rank 1
 # exits 75, so `srun --kill-on-bad-exit` ends rank 0 and reports 143 (the order a CI run met by chance).
