@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).with_name("rehearsal_faults")
 # 4 GPUs' worth of the demo recipe: each rank's share is 8 prompts x 8 answers of about 128 tokens a step,
-# its exchange about 0.15 MB
+# its exchange about 0.06 MB
 ARGS = [
     "rollout.sampling.max_response_len=256", "rollout.prompts_per_step=32", "rollout.gen_prompts_per_round=32",
     "trainer.mini_batch_size=256", "logging.progress=false",
@@ -36,18 +36,21 @@ def test_per_rank_memory_and_bytes_stay_flat_as_ranks_double_and_a_gather_of_eve
     step1, step2 = report["growth_by_step"]["1"], report["growth_by_step"]["2"]
 
     def grown(table: list[dict], quantity: str) -> list[str]:
-        return [g["phase"] for g in table if g["quantity"] == quantity and g["grows"] and g["phase"] in STEP_PATH]
+        # the exchange's bytes are judged per kept token: "received MB per kept token (x N=2's share)"
+        return [
+            g["phase"] for g in table if g["quantity"].startswith(quantity) and g["grows"] and g["phase"] in STEP_PATH
+        ]
 
     def exchange(table: list[dict]) -> list[float]:
-        return next(g["values"] for g in table if g["phase"] == "exchange" and g["quantity"] == "received MB")
+        return next(g["values"] for g in table if g["phase"] == "exchange" and g["quantity"].startswith("received MB"))
 
-    assert exchange(step1)[0] > 0.05  # the bytes are counted (a flat zero would pass the checks below)
+    assert exchange(step1)[0] > 0.03  # the bytes are counted (a flat zero would pass the checks below)
     # as the code is: flat
     assert not grown(step1, "received MB") and not grown(step1, "peak RSS MB"), text
     assert exchange(step1)[1] < 1.15 * exchange(step1)[0]
     # every sample to every rank: the exchange's bytes double with the ranks, and the report names it
-    assert grown(step2, "received MB") == ["step", "exchange"] and exchange(step2)[1] > 1.8 * exchange(step2)[0]
-    assert "- exchange: received MB grows with the ranks" in text
+    assert "exchange" in grown(step2, "received MB") and exchange(step2)[1] > 1.8 * exchange(step2)[0]
+    assert "- exchange: received MB per kept token (x N=2's share) grows with the ranks" in text
     # the same runs judged again without running anything
     again = subprocess.run([sys.executable, "-m", "dapo_mcore.cli", "rehearse", "--report-only", "--out", str(out)],
                            capture_output=True, text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
