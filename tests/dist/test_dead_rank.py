@@ -26,6 +26,12 @@ def test_a_rank_killed_under_torchrun_is_named_once_by_a_survivor(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
+    assert_rank_1_named_once(output)
+
+
+def assert_rank_1_named_once(output: str) -> None:
+    """One line for the job naming rank 1, killed in step 2 (tests.verifiers:kill_rank_1_in_step_2); also srun's
+    test (tests/slurm/test_train_jobs.py)."""
     named = [line for line in output.splitlines() if "from outside this run" in line]
     assert len(named) == 1, output[-4000:]
     assert re.fullmatch(

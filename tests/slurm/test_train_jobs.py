@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from tests.conftest import REPO, free_port
+from tests.dist.test_dead_rank import assert_rank_1_named_once
 from tests.slurm.jobs import (
     CPU_NODE,
     job_output,
@@ -46,14 +47,7 @@ def test_a_task_killed_under_srun_is_named_once_by_a_survivor(slurm_cluster, tmp
     out = job_output(tmp_path, "killed", job_id)
     logs = "".join(path.read_text() for path in sorted((tmp_path / "logs").glob("killed-*/attempt-0-task-*.log")))
     assert record["JobState"] == "FAILED", f"{record}\n{out}\n{logs[-4000:]}"
-    named = [line for line in logs.splitlines() if "from outside this run" in line]
-    assert len(named) == 1, logs[-4000:]
-    assert re.fullmatch(
-        r"dapo-mcore: rank 1 \(pid \d+\) on host \S+ ended during \w+ at step 2, from outside this run \(the "
-        r"out-of-memory killer, a kill -9 or a crash: the launcher's summary gives its exit code\); every complete "
-        r"save is kept: continue with checkpoint.resume=auto",
-        named[0],
-    ), named[0]
+    assert_rank_1_named_once(logs)
     assert "Traceback" not in logs, logs[-4000:]
 
 
