@@ -397,13 +397,13 @@ def _verify_checkpoints(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from dapo_mcore.config import load_config
     from dapo_mcore.config.validate import run_dir_of
-    from dapo_mcore.utils.processes import adopt_run_tmp
+    from dapo_mcore.utils.processes import run_tmp
 
     cfg = load_config(args.config, args.overrides)
-    adopt_run_tmp(str(run_dir_of(cfg)), int(os.environ.get("RANK", "0")))  # before anything makes a temp file
-    from dapo_mcore.trainer import train
+    with run_tmp(str(run_dir_of(cfg)), int(os.environ.get("RANK", "0"))):  # before anything makes a temp file
+        from dapo_mcore.trainer import train
 
-    done = train(cfg)
+        done = train(cfg)
     if os.environ.get("RANK", "0") != "0":
         return 0
     if done.first_step == done.last_step:  # a finished run, run again

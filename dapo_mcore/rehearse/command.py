@@ -122,13 +122,12 @@ def rank_command(args: argparse.Namespace) -> int:
     probe = RankProbe(Path(f"{args.records}-rank{os.environ.get('RANK', '0')}.jsonl"), counter)
     from dapo_mcore.config.validate import run_dir_of
     from dapo_mcore.trainer import train
-    from dapo_mcore.utils.processes import adopt_run_tmp
+    from dapo_mcore.utils.processes import run_tmp
     from dapo_mcore.utils.timers import observing
 
     cfg = load_config(args.recipe, args.overrides)
-    adopt_run_tmp(str(run_dir_of(cfg)), int(os.environ.get("RANK", "0")))
     try:
-        with observing(probe):
+        with run_tmp(str(run_dir_of(cfg)), int(os.environ.get("RANK", "0"))), observing(probe):
             train(cfg)
     finally:
         probe.finish()

@@ -12,12 +12,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import getpass
 import hashlib
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -84,10 +87,38 @@ def adopt_run_tmp(run_dir: str, rank: int) -> Path:
         shutil.rmtree(path, ignore_errors=True)  # a killed run's leftovers
     path.mkdir(exist_ok=True)
     owner.write_text(f"{os.getpid()}\n")
+    keep_caches_out_of_the_run_tmp()
     os.environ["TMPDIR"] = tempfile.tempdir = str(path)
     me = os.getpid()
     atexit.register(lambda: os.getpid() == me and shutil.rmtree(path, ignore_errors=True))
     return path
+
+
+@contextlib.contextmanager
+def run_tmp(run_dir: str, rank: int) -> Iterator[Path]:
+    """adopt_run_tmp for the length of a run: TMPDIR and tempfile's directory are given back after it, so that a
+    run called from Python (a test, a notebook) leaves its process as it found it; the processes it starts
+    later would otherwise make their files in this run's directory, which goes at exit."""
+    tmpdir_before, tempdir_before = os.environ.get("TMPDIR"), tempfile.tempdir
+    try:
+        yield adopt_run_tmp(run_dir, rank)
+    finally:
+        tempfile.tempdir = tempdir_before
+        if tmpdir_before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = tmpdir_before
+
+
+def keep_caches_out_of_the_run_tmp() -> None:
+    """Caches kept under the temporary directory by default stay where they were (a user's setting wins): the
+    run's own directory goes with the run, and torch's compile cache (/tmp/torchinductor_<user>, which vLLM's
+    compiled graphs use) would be rebuilt by every run and every resume."""
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it (cache_dir_utils.py)
+    except (KeyError, OSError):  # no name for this uid (a container without a passwd entry)
+        user = f"uid_{os.getuid()}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SYSTEM_TMP, f"torchinductor_{user}"))
 
 
 def run_tmp_of(run_dir: str, rank: int) -> Path:
