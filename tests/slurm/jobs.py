@@ -24,8 +24,10 @@ TIME_LIMIT = ["--time=3", "--signal=B:USR1@90"]
 WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
 # A warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the job's end
 # from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 57 s before it (its longest
-# step, about 7 s, the save estimate of 10 s, this margin), 20 s or more before the warning could come.
-LATE_WARNING = ["--time=2", "--signal=B:USR1@5"]
+# step, about 7 s, the save estimate of 10 s, this margin), 20 s or more before the warning could come. 3 minutes:
+# a loaded machine starts the 4 tasks in 60-90 s, and a 2-minute attempt then trained one step before its own stop
+# (12 attempts, past the test's 15 minutes); the first attempt's paused steps still cannot all fit in 3.
+LATE_WARNING = ["--time=3", "--signal=B:USR1@5"]
 OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
 RECIPE = [
     "examples/smoke_cpu.yaml",
