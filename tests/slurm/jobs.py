@@ -10,23 +10,24 @@ from pathlib import Path
 from tests.conftest import REPO, free_port
 
 # 4 tasks of the demo recipe (TP 2 x DP 2) train 0.6-0.8 s a step here, after 25-45 s of start-up (4 processes
-# importing torch and Megatron-Core on 2 cores; the longer beside the rest of the suite). Slurm's timer ticks every
-# 30 s and warns 0-30 s early (tests/slurm/cluster.py): on a 3-minute job warned 90 s ahead the warning comes
-# 60-90 s into an attempt, so an attempt trains 15-65 s (a 2-minute job warned 50 s ahead, 40-70 s in, once warned
-# a first attempt still starting up: nothing to save). A time-limited job's first attempt pauses STEP_PAUSE s in
-# every step (tests.verifiers:spread_pausing_in_the_first_attempt, the demo's own filter otherwise): its STEPS take
-# 80 s or more, longer than any attempt's window, while the re-queued attempt trains the rest at full speed. At most
-# 2 generation rounds a step: uncapped, the late steps of the demo (accuracy 0.9, most groups all-correct) took 6-8
+# importing torch and Megatron-Core on 2 cores), and 60-90 s beside the heaviest of the suite (load average 13-20:
+# seen on fresh clones). Slurm's timer ticks every 30 s and warns 0-30 s early (tests/slurm/cluster.py): on a
+# 4-minute job warned 90 s ahead the warning comes 120-150 s into an attempt, after the slowest start-up seen (a
+# 3-minute job, warned 60-90 s in, was once warned while still starting up: nothing to save). A time-limited job's
+# first attempt pauses STEP_PAUSE s in every step (tests.verifiers:spread_pausing_in_the_first_attempt, the demo's
+# own filter otherwise): its STEPS take 128 s or more, so with the quickest start-up they still end after the
+# warning (and after the own stop below), while a re-queued attempt trains the rest at full speed. At most 2
+# generation rounds a step: uncapped, the late steps of the demo (accuracy 0.9, most groups all-correct) took 6-8
 # rounds and 2.5-3.5 s each (issue 21).
 STEPS = 12
-STEP_PAUSE = 6.0
-TIME_LIMIT = ["--time=3", "--signal=B:USR1@90"]
+STEP_PAUSE = 10.0
+TIME_LIMIT = ["--time=4", "--signal=B:USR1@90"]
 WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
 # A warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the job's end
-# from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 57 s before it (its longest
-# step, about 7 s, the save estimate of 10 s, this margin), 20 s or more before the warning could come. 3 minutes:
-# a loaded machine starts the 4 tasks in 60-90 s, and a 2-minute attempt then trained one step before its own stop
-# (12 attempts, past the test's 15 minutes); the first attempt's paused steps still cannot all fit in 3.
+# from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 61 s before it (its longest
+# step, about 11 s, the save estimate of 10 s, this margin), 20 s or more before the warning could come. 3 minutes:
+# with a 60-90 s start-up a 2-minute attempt trained one step before its own stop (12 attempts, past the test's 15
+# minutes).
 LATE_WARNING = ["--time=3", "--signal=B:USR1@5"]
 OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
 RECIPE = [

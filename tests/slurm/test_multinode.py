@@ -134,7 +134,7 @@ def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_pat
 def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_another_node_set(
     slurm_nodes, one_node, tmp_path
 ):
-    """Slurm's own timer (a 3-minute job warned 90 s ahead, tests/slurm/jobs.py); the second node of the first
+    """Slurm's own timer (a 4-minute job warned 90 s ahead, tests/slurm/jobs.py); the second node of the first
     attempt is drained while it runs, so the re-queued job must run on another node set."""
     overrides = [*TP2, *WARNING_ONLY]
     job_id, run_dir = submit(
