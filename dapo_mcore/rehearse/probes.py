@@ -195,11 +195,12 @@ def census(names: dict[tuple[int, int], str] | None = None) -> dict[str, Any]:
             _keep_top(containers, len(obj), obj)
         elif _is_tensor_type(kind) and not obj.is_meta and obj.layout == torch.strided:
             storage = obj.untyped_storage()
-            if storage.data_ptr() in workspace:
+            address = _address(storage)
+            if address is None or address in workspace:
                 continue
-            known = storages.get(storage.data_ptr())
+            known = storages.get(address)
             if known is None or obj.numel() > known[1].numel():  # a view names its storage less well
-                storages[storage.data_ptr()] = (storage.nbytes(), obj)
+                storages[address] = (storage.nbytes(), obj)
     count = len(objects)
     del objects
     tensors: list[tuple[int, int, Any]] = []  # (bytes, id, tensor): the TOP largest storages
@@ -249,13 +250,30 @@ _CONTAINERS = (list, tuple, dict, set)
 _TENSOR_TYPES: dict[type, bool] = {}
 
 
+def _address(storage) -> int | None:
+    """Where a storage's memory is; None where torch refuses to say (a traced tensor that holds none)."""
+    try:
+        return storage.data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _is_tensor_type(kind: type) -> bool:
     """issubclass on the type, cached: isinstance would call __instancecheck__ of every object's class (some of
     the imported packages' proxies warn when asked)."""
     known = _TENSOR_TYPES.get(kind)
     if known is None:
-        known = _TENSOR_TYPES[kind] = issubclass(kind, torch.Tensor)
+        known = _TENSOR_TYPES[kind] = issubclass(kind, torch.Tensor) and not issubclass(kind, _memoryless_types())
     return known
+
+
+def _memoryless_types() -> tuple[type, ...]:
+    """The tensors torch.compile / export trace with (in a test process, left alive by another test's compiled
+    function): they stand for memory they do not hold."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
 
 
 def _name(names: dict[tuple[int, int], str], obj: Any, size: int, ignore: set[int]) -> str:

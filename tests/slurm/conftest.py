@@ -1,5 +1,5 @@
 """The Slurm tier's clusters: `slurm_cluster`, one private one-node cluster for the whole session, and
-`slurm_nodes`, three nodes on this machine for the multi-node module (each skips, with the reason, where none)."""
+`slurm_nodes`, nine nodes on this machine for the multi-node module (each skips, with the reason, where none)."""
 
 from __future__ import annotations
 
@@ -29,19 +29,22 @@ def slurm_cluster(tmp_path_factory):
     yield from running(SlurmCluster(), tmp_path_factory.mktemp("slurm"), "Slurm did not start")
 
 
-# The multi-node tests' cluster: node1..node3, each a network namespace with its own address, hostname and slurmd
-# (tests/slurm/netns.py). 4 CPUs each (Slurm trusts the number: 2 tasks a node, or 4 on one). Slurm declares a
-# silent node DOWN after SLURMD_TIMEOUT s (default 300): long enough that a test can tell the run's own liveness
-# stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s after the
-# re-queue (5 s: Slurm's minimum). On node2 alone the folder `read_only_on_node2` is read-only.
+# The multi-node tests' cluster: node1..node9, each a network namespace with its own address, hostname and slurmd
+# (tests/slurm/netns.py), enough for the module's jobs to run at once on nodes of their own (2 + 2 + 1 + 2 + 2,
+# tests/slurm/test_multinode.py). 4 CPUs each (Slurm trusts the number: 2 tasks a node, or 4 on one). Slurm
+# declares a silent node DOWN after SLURMD_TIMEOUT s (default 300): long enough that a test can tell the run's own
+# liveness stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s
+# after the re-queue (5 s: Slurm's minimum). On READ_ONLY_NODE alone the folder `read_only_path` is read-only.
+NODES = 9
 SLURMD_TIMEOUT = 20
+READ_ONLY_NODE = "node7"
 
 
 @pytest.fixture(scope="module")
 def slurm_nodes(tmp_path_factory):
-    read_only = tmp_path_factory.mktemp("read_only_on_node2")
+    read_only = tmp_path_factory.mktemp(f"read_only_on_{READ_ONLY_NODE}")
     cluster = SlurmCluster(
-        nodes=3, cpus=4, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={"node2": [read_only]}
+        nodes=NODES, cpus=4, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={READ_ONLY_NODE: [read_only]}
     )
-    cluster.read_only_on_node2 = read_only
+    cluster.read_only_path = read_only
     yield from running(cluster, tmp_path_factory.mktemp("slurm_nodes"), "no multi-node Slurm here")

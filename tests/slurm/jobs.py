@@ -11,24 +11,27 @@ from tests.conftest import REPO, free_port
 
 # 4 tasks of the demo recipe (TP 2 x DP 2) train 0.6-0.8 s a step here, after 25-45 s of start-up (4 processes
 # importing torch and Megatron-Core on 2 cores), and 60-90 s beside the heaviest of the suite (load average 13-20:
-# seen on fresh clones). Slurm's timer ticks every 30 s and warns 0-30 s early (tests/slurm/cluster.py): on a
-# 4-minute job warned 90 s ahead the warning comes 120-150 s into an attempt, after the slowest start-up seen (a
-# 3-minute job, warned 60-90 s in, was once warned while still starting up: nothing to save). A time-limited job's
-# first attempt pauses STEP_PAUSE s in every step (tests.verifiers:spread_pausing_in_the_first_attempt, the demo's
-# own filter otherwise): its STEPS take 128 s or more, so with the quickest start-up they still end after the
-# warning (and after the own stop below), while a re-queued attempt trains the rest at full speed. At most 2
-# generation rounds a step: uncapped, the late steps of the demo (accuracy 0.9, most groups all-correct) took 6-8
-# rounds and 2.5-3.5 s each (issue 21).
+# seen on fresh clones). The multi-node module runs its jobs at once (tests/slurm/test_multinode.py), so the
+# time-limited jobs are timed for a start-up of up to 150 s. Slurm's timer ticks every 30 s and warns 0-30 s early
+# (tests/slurm/cluster.py). A time-limited job's first attempt pauses in every step (its `step_pause`, through
+# tests.verifiers:spread_pausing_in_the_first_attempt, the demo's own filter otherwise): slower steps that compute
+# the same thing, so that its STEPS outlast the attempt even after the quickest start-up, while a re-queued attempt
+# trains the rest at full speed. At most 2 generation rounds a step: uncapped, the late steps of the demo (accuracy
+# 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s each (issue 21).
 STEPS = 12
-STEP_PAUSE = 10.0
-TIME_LIMIT = ["--time=4", "--signal=B:USR1@90"]
+# Warned: a 5-minute job warned 90 s ahead gets the warning 180-210 s into its attempt, after the slowest start-up
+# (a 3-minute one, warned 60-90 s in, was once warned while its 4 tasks were still starting: nothing to save);
+# 12 steps of 18 s pauses take 216 s and more.
+TIME_LIMIT = ["--time=5", "--signal=B:USR1@90"]
+WARNED_STEP_PAUSE = 18.0
 WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
-# A warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the job's end
-# from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself about 61 s before it (its longest
-# step, about 11 s, the save estimate of 10 s, this margin), 20 s or more before the warning could come. 3 minutes:
-# with a 60-90 s start-up a 2-minute attempt trained one step before its own stop (12 attempts, past the test's 15
-# minutes).
-LATE_WARNING = ["--time=3", "--signal=B:USR1@5"]
+# Too late: a warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the
+# job's end from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself at the first step boundary
+# where its longest step (about 16 s), the save estimate of 10 s and this margin no longer fit: 66-82 s before
+# the end of a 4-minute attempt, 30 s or more before the warning could come, after 1-10 steps; its 12 steps of
+# 15 s pauses would take 180 s and more.
+LATE_WARNING = ["--time=4", "--signal=B:USR1@5"]
+OWN_STOP_STEP_PAUSE = 15.0
 OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
 RECIPE = [
     "examples/smoke_cpu.yaml",
