@@ -80,13 +80,16 @@ def adopt_run_tmp(run_dir: str, rank: int) -> Path:
     <system tmp>/dapo_mcore-<hash of the run directory>-rank<R>, holding its owner's pid. The processes the run
     starts make their temporary files there (multiprocessing's pymp-* sockets, the engines'). A normal exit
     removes it; after a kill -9 it stays until the run directory's next start, which removes it once its owner
-    is gone (they stayed in /tmp for good)."""
+    is gone (they stayed in /tmp for good). While a live run holds it, a second start (one the run lock will
+    refuse) takes <that>-pid<P>: its exit would otherwise remove the live run's files."""
     path = run_tmp_of(run_dir, rank)
-    owner = path / "pid"
-    if path.is_dir() and not _alive(_read_pid(owner)):
-        shutil.rmtree(path, ignore_errors=True)  # a killed run's leftovers
+    for earlier in (path, *path.parent.glob(f"{path.name}-pid*")):
+        if earlier.is_dir() and not _alive(_read_pid(earlier / "pid")):
+            shutil.rmtree(earlier, ignore_errors=True)  # a killed run's leftovers
+    if path.is_dir() and _read_pid(path / "pid") != os.getpid():
+        path = path.with_name(f"{path.name}-pid{os.getpid()}")
     path.mkdir(exist_ok=True)
-    owner.write_text(f"{os.getpid()}\n")
+    (path / "pid").write_text(f"{os.getpid()}\n")
     keep_caches_out_of_the_run_tmp()
     os.environ["TMPDIR"] = tempfile.tempdir = str(path)
     me = os.getpid()

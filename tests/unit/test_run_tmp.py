@@ -44,3 +44,23 @@ def test_a_run_called_from_python_gives_the_temporary_directory_back(tmp_path, m
         assert os.environ["TMPDIR"] == tempfile.gettempdir() == str(path) and path.parent == tmp_path
     assert os.environ["TMPDIR"] == str(tmp_path) and tempfile.tempdir is None
     assert path.is_dir()  # removed at the process's exit (atexit), not here: wandb's exit handler may still use it
+
+
+def test_a_second_start_into_a_live_runs_directory_leaves_the_live_runs_files_alone(tmp_path, monkeypatch):
+    """A second run into a live run's directory (refused by the run lock after this) removed, at its exit, the
+    temporary directory the live run was using: the live run failed at its next temporary file (seen in a suite
+    run). The live owner here: this test's parent process."""
+    monkeypatch.setattr(processes, "_SYSTEM_TMP", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    live = processes.run_tmp_of(str(tmp_path / "run"), rank=0)
+    live.mkdir()
+    (live / "pid").write_text(f"{os.getppid()}\n")
+    (live / "in_use").write_text("the live run's file")
+    killed = live.with_name(f"{live.name}-pid999999999")  # an earlier second start, killed: its owner is gone
+    killed.mkdir()
+    (killed / "pid").write_text("999999999\n")
+    with processes.run_tmp(str(tmp_path / "run"), rank=0) as path:
+        assert path == live.with_name(f"{live.name}-pid{os.getpid()}")
+    assert (live / "in_use").exists() and (live / "pid").read_text() == f"{os.getppid()}\n"
+    assert not killed.exists()
