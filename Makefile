@@ -58,12 +58,12 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# pytest-xdist workers: most cases wait on one core (tests/README.md), and the Slurm tier's multi-node module, the
-# longest unit (about 11 min), mostly waits on slurmctld's timers: 3 keep a 2-core machine busy meanwhile (16 min 58 s
-# from a fresh clone of d00b252; e351baa, with a longer Slurm tier, took 19 min 31 s on 2). Modules that share an expensive fixture run whole on one worker (tests/conftest.py).
-# TEST_WORKERS=0: one process.
+# pytest-xdist workers: the Slurm tier's multi-node module, the longest unit (about 12 min), mostly waits on
+# slurmctld's timers, and 3 workers keep a 2-core machine busy meanwhile. Modules that share an expensive fixture
+# run whole on one worker (tests/conftest.py). TEST_WORKERS=0: one process. PYTEST_CPU=1: each test's CPU seconds,
+# its processes' included, to $DAPO_TEST_CPU_LOG (tests/cpu_accounting.py; the suite is CPU-bound on 2 cores).
 TEST_WORKERS ?= 3
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(if $(PYTEST_CPU),-p tests.cpu_accounting)
 
 test: lint
 	$(PYTEST) --durations=25  # the slowest cases, to keep the suite within its 20 minutes
