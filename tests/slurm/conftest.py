@@ -26,7 +26,10 @@ def running(cluster: SlurmCluster, workdir, not_started: str):
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    yield from running(SlurmCluster(), tmp_path_factory.mktemp("slurm"), "Slurm did not start")
+    # KillWait (SIGTERM to SIGKILL) 90 s, not 30: the scancel test's run saves after SIGTERM, and at a load average
+    # of 45 on 2 cores (the suite's first minutes) its save had not ended 30 s later
+    cluster = SlurmCluster(kill_wait=90)
+    yield from running(cluster, tmp_path_factory.mktemp("slurm"), "Slurm did not start")
 
 
 # The multi-node tests' cluster: node1..node9, each a network namespace with its own address, hostname and slurmd
@@ -37,7 +40,7 @@ def slurm_cluster(tmp_path_factory):
 # after the re-queue (5 s: Slurm's minimum). On READ_ONLY_NODE alone the folder `read_only_path` is read-only.
 NODES = 9
 SLURMD_TIMEOUT = 30
-READ_ONLY_NODE = "node7"
+READ_ONLY_NODE = "node9"
 
 
 @pytest.fixture(scope="module")

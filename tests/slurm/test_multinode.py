@@ -8,8 +8,8 @@ the re-queued job resumes from the newest save on other nodes. A problem of one 
 host.
 
 The jobs run at once, each on nodes of its own (--exclusive): the time-limited ones spend minutes waiting for
-Slurm's timer, so `jobs` submits them, the reference and the read-only job when the module starts, and the tests
-wait for their ends; the node failure, which a test must watch, goes first and runs beside them."""
+Slurm's timer, so `jobs` submits them and the reference when the module starts, and the tests wait for their
+ends; the node failure, which a test must watch, goes first and runs beside them."""
 
 from __future__ import annotations
 
@@ -117,10 +117,10 @@ def start(cluster, tmp_path_factory, name: str, *options: str, step_pause: float
 
 @pytest.fixture(scope="module")
 def jobs(slurm_nodes, tmp_path_factory) -> Jobs:
-    """Submitted first, and first placed (Slurm takes the lowest free nodes): the warned job (node1-2, whose
-    second node is drained once it runs, so that its re-queued attempt must run on another node set), the job
-    whose warning comes too late (node3-4), the one-node reference (node5) and the job that meets a read-only
-    directory on READ_ONLY_NODE (with node6)."""
+    """Submitted first: the warned job (whose second node is drained once it runs, so that its re-queued attempt
+    must run on another node set), the job whose warning comes too late and the one-node reference. The job that
+    meets a read-only directory is submitted by its test, later: 20 tasks starting at once on 2 cores, with the
+    other workers' tests, made the suite's first minutes too slow for the one-node cluster's scancel test."""
     started = Jobs()
     started.cluster = slurm_nodes
     started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, step_pause=WARNED_STEP_PAUSE,
@@ -128,8 +128,6 @@ def jobs(slurm_nodes, tmp_path_factory) -> Jobs:
     started["own"] = start(slurm_nodes, tmp_path_factory, "own", *LATE_WARNING, step_pause=OWN_STOP_STEP_PAUSE,
                            overrides=[*TP2, *OWN_STOP_MARGIN])  # fmt: skip
     started["one"] = start(slurm_nodes, tmp_path_factory, "one", overrides=TP2, shape=ONE_NODE)
-    read_only = [*TP2, f"checkpoint.dir={slurm_nodes.read_only_path}/checkpoints"]
-    started["ro"] = start(slurm_nodes, tmp_path_factory, "ro", f"--nodelist={READ_ONLY_NODE}", overrides=read_only)
     running = slurm_nodes.wait(started["limited"].id, states={"RUNNING"}, timeout=120)
     started.drained = expand(slurm_nodes, running["NodeList"])[1]
     slurm_nodes.run("scontrol", "update", f"NodeName={started.drained}", "State=DRAIN", "Reason=dapo-test")
@@ -159,7 +157,9 @@ def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_
     lock holder's). Its link goes down first, so its peers hear nothing, as from a host that lost power. First in
     this module, beside the jobs started with it (on other nodes); that node stays down."""
     overrides = [*TP2, "checkpoint.save_interval=3", f"parallel.peer_timeout_s={PEER_TIMEOUT_S}"]
-    job_id, run_dir = submit(slurm_nodes, tmp_path, "dies", overrides=overrides, shape=TWO_NODES)
+    job_id, run_dir = submit(  # not on READ_ONLY_NODE: a later test needs it alive
+        slurm_nodes, tmp_path, "dies", f"--exclude={READ_ONLY_NODE}", overrides=overrides, shape=TWO_NODES
+    )
     deadline = time.monotonic() + 400
     while not ((run_dir / "metrics.jsonl").exists() and len(rows(run_dir)) >= 7):  # the save of step 6 is done
         assert time.monotonic() < deadline, slurm_nodes.job(job_id)
@@ -233,9 +233,10 @@ def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_nod
     assert without_timings(rows(run_dir)) == without_timings(rows(jobs.reference()))
 
 
-def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, jobs):
-    job = jobs["ro"]
-    record = slurm_nodes.wait(job.id, timeout=300)
+def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_path_factory):
+    overrides = [*TP2, f"checkpoint.dir={slurm_nodes.read_only_path}/checkpoints"]
+    job = start(slurm_nodes, tmp_path_factory, "ro", f"--nodelist={READ_ONLY_NODE}", overrides=overrides)
+    record = slurm_nodes.wait(job.id, timeout=600)  # READ_ONLY_NODE may first end a re-queued attempt there
     out = job_output(job.folder, "ro", job.id)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", f"{record}\n{out}"
     task_logs_of_ro = task_logs(job.folder, "ro")
