@@ -17,7 +17,9 @@ import contextlib
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,12 +117,31 @@ def start(cluster, tmp_path_factory, name: str, *options: str, step_pause: float
     return Job(job_id, run_dir, folder, name)
 
 
+# A re-queued attempt's time limit, in minutes: what the tests check happens in the first attempt, and on a loaded
+# machine (4 tasks starting in 105-150 s beside the suite's heaviest tests) each later 5-minute attempt trained a
+# step or two before its own warning (one job took 5 attempts), and a save of 42.8 s (estimated 10 s) ended 2 s
+# before the limit, so that Slurm ended the job before its script could re-queue it.
+RESUMED_TIME_LIMIT_MIN = 15
+
+
+def lengthen_once_requeued(cluster: SlurmCluster, job_ids: list[int], stop: threading.Event) -> None:
+    """Give each job RESUMED_TIME_LIMIT_MIN once Slurm re-queued it (it waits cred_expire + 1 s to start again)."""
+    waiting = set(job_ids)
+    while waiting and not stop.wait(1.0):
+        for job_id in sorted(waiting):
+            with contextlib.suppress(RuntimeError, subprocess.SubprocessError):
+                if int(cluster.job(job_id).get("Restarts", "0")) >= 1:
+                    cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={RESUMED_TIME_LIMIT_MIN}")
+                    waiting.discard(job_id)
+
+
 @pytest.fixture(scope="module")
-def jobs(slurm_nodes, tmp_path_factory) -> Jobs:
+def jobs(slurm_nodes, tmp_path_factory) -> Iterator[Jobs]:
     """Submitted first: the warned job (whose second node is drained once it runs, so that its re-queued attempt
     must run on another node set), the job whose warning comes too late and the one-node reference. The job that
     meets a read-only directory is submitted by its test, later: 20 tasks starting at once on 2 cores, with the
-    other workers' tests, made the suite's first minutes too slow for the one-node cluster's scancel test."""
+    other workers' tests, made the suite's first minutes too slow for the one-node cluster's scancel test. The
+    time-limited jobs' later attempts get RESUMED_TIME_LIMIT_MIN."""
     started = Jobs()
     started.cluster = slurm_nodes
     started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, step_pause=WARNED_STEP_PAUSE,
@@ -131,7 +152,13 @@ def jobs(slurm_nodes, tmp_path_factory) -> Jobs:
     running = slurm_nodes.wait(started["limited"].id, states={"RUNNING"}, timeout=120)
     started.drained = expand(slurm_nodes, running["NodeList"])[1]
     slurm_nodes.run("scontrol", "update", f"NodeName={started.drained}", "State=DRAIN", "Reason=dapo-test")
-    return started
+    stop = threading.Event()
+    time_limited = [started["limited"].id, started["own"].id]
+    watcher = threading.Thread(target=lengthen_once_requeued, args=(slurm_nodes, time_limited, stop), daemon=True)
+    watcher.start()
+    yield started
+    stop.set()
+    watcher.join(timeout=30)
 
 
 def processes_of_jobs(cluster, node: str, only: str = "") -> list[str]:
