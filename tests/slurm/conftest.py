@@ -39,7 +39,7 @@ def slurm_cluster(tmp_path_factory):
 # liveness stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s
 # after the re-queue (5 s: Slurm's minimum). On READ_ONLY_NODE alone the folder `read_only_path` is read-only.
 NODES = 9
-SLURMD_TIMEOUT = 30
+SLURMD_TIMEOUT = 60
 READ_ONLY_NODE = "node9"
 
 
