@@ -130,15 +130,6 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
     one-process world, as under torchrun."""
     if nproc == 1:
         return _run_one_process(script, args, timeout, env)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        str(script),
-        *args,
-    ]
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -146,7 +137,14 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
         "PYTHONPATH": str(REPO),
         **(env or {}),
     }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    # free_port's port may be taken before torchrun's store listens on it (a suite run met EADDRINUSE beside the
+    # Slurm jobs): nothing of the script ran then, so the launch goes again on another port
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(script), *args]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
     if proc.returncode != 0:
         pytest.fail(
             f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
