@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,42 +123,31 @@ def free_port() -> int:
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: dict | None = None):
-    """Run `script` under torchrun with nproc gloo processes; fail the test with its output if it fails.
-    One process runs the script directly, forked from the warm server (tests/warm_cli.py): it makes its own
-    one-process world, as under torchrun."""
-    if nproc == 1:
-        return _run_one_process(script, args, timeout, env)
-    full_env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
-    # free_port's port may be taken before torchrun's store listens on it (a suite run met EADDRINUSE beside the
-    # Slurm jobs): nothing of the script ran then, so the launch goes again on another port
-    for _ in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(script), *args]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
-            break
-    if proc.returncode != 0:
-        pytest.fail(
-            f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    return proc
-
-
-def _run_one_process(script: Path, args, timeout: int, env: dict | None):
+    """Run `script` as nproc gloo ranks on this host, as `torchrun --nproc_per_node=nproc` would; fail the test with
+    its output if it fails. The ranks fork from a warm server (tests/warm_cli.py: an env:// rendezvous, rank 0
+    hosting the store); one process makes its own one-process world, as under torchrun."""
     from tests.warm_cli import cli_env, run_warm
 
     full_env = {**cli_env(), "PYTHONPATH": str(REPO), **(env or {})}
-    proc = run_warm(args, full_env, timeout, script=script)
+    if nproc == 1:
+        proc = run_warm(args, full_env, timeout, script=script)
+    else:
+        proc = _run_ranks(script, nproc, args, timeout, full_env)
     if proc.returncode != 0:
-        pytest.fail(f"{script.name} {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+        pytest.fail(f"{script.name} {' '.join(map(str, args))} at {nproc} ranks failed ({proc.returncode}):\n"
                     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")  # fmt: skip
+    return proc
+
+
+def _run_ranks(script: Path, nproc: int, args, timeout: int, env: dict):
+    from tests.warm_cli import run_warm
+
+    # free_port's port may be taken before rank 0's store listens on it (a suite run met EADDRINUSE beside the
+    # Slurm jobs): nothing of the script ran then, so the launch goes again on another port
+    for _ in range(3):
+        proc = run_warm(args, {**env, "MASTER_PORT": str(free_port())}, timeout, script=script, ranks=nproc)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr:
+            break
     return proc
 
 

@@ -13,8 +13,16 @@ the server runs nothing of torch before forking (no thread pool to inherit).
 for as they would a Popen. A server runs one command at a time: a run started while its server is busy goes to
 another server for the same environment (started on first need).
 
-What is not run warm: runs under torchrun (its workers start their own interpreters), the test that is about the
-command's own start and exit, and a run whose environment differs from the server's (a new server is started for
+Several ranks (`ranks=N`): the forked child becomes a launcher that forks the N ranks, each with the variables
+of an env:// rendezvous (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as srun's tasks
+get them in slurm/train.sbatch: rank 0 hosts the store. Their output goes to the same two files, as torchrun's
+workers share its pipes; when a rank fails the launcher ends the others (SIGTERM, SIGKILL 30 s later) and exits
+with the failed rank's code. This replaces torchrun where it is only the tests' way to start N ranks on one host:
+each rank saves the 10-12 CPU-s of a fresh interpreter's imports (the suite is CPU-bound on 2 cores). What is about
+torchrun itself (a dead rank named, preflight printed once, its rendezvous across hosts) runs real torchrun.
+
+What is not run warm: runs under a real torchrun (its workers start their own interpreters), the test that is about
+the command's own start and exit, and a run whose environment differs from the server's (a new server is started for
 that environment, since variables are read at import time). On a machine with a GPU nothing is: the preloaded
 imports initialise CUDA there, and torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in forked
 subprocess", seen on an H200), so each run is a fresh `python` (`cold_process`).
@@ -61,16 +69,20 @@ def serve() -> None:
             become_the_run(request)  # raises the command's SystemExit out of this loop: never returns here
         replies.write(json.dumps({"pid": pid}) + "\n")
         returncode, timed_out = wait_for(pid, request["timeout"])
+        if request.get("ranks"):  # what a rank left behind (an engine's or verifier's worker) ends with the launch
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         replies.write(json.dumps({"returncode": returncode, "timed_out": timed_out}) + "\n")
 
 
 def become_the_run(request: dict) -> None:
-    os.setsid()  # a group of its own: a timeout ends the run's workers too
+    os.setsid()  # a group of its own: a timeout ends the run's workers too (and every rank of a launch)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):  # fmt: skip
+    appended = os.O_WRONLY | os.O_CREAT | os.O_APPEND  # several ranks write to the same files
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], appended),
+                            (2, request["stderr"], appended)):  # fmt: skip
         target = os.open(path, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
@@ -79,6 +91,12 @@ def become_the_run(request: dict) -> None:
     wandb_media = sys.modules.get("wandb.sdk.data_types._private")
     if wandb_media is not None:
         os.makedirs(wandb_media.MEDIA_TMP.name, exist_ok=True)
+    if request.get("ranks"):
+        os._exit(launch_ranks(request))
+    run_command(request)
+
+
+def run_command(request: dict) -> None:
     script = request.get("script")
     if script:  # python SCRIPT ARGS: the script's folder first on sys.path, as python puts it
         sys.argv = [script, *request["argv"]]
@@ -88,6 +106,66 @@ def become_the_run(request: dict) -> None:
         sys.argv = ["dapo_mcore.cli", *request["argv"]]
         runpy.run_module("dapo_mcore.cli", run_name="__main__", alter_sys=True)
     sys.exit(0)  # it ran to its end without calling sys.exit: exit 0, as python would
+
+
+# What a rank's process group is sent by the launcher when another rank failed, and how long it has to end (torchrun's)
+RANK_STOP_GRACE_S = 30.0
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def rank_environment(rank: int, world: int) -> dict[str, str]:
+    """An env:// rendezvous on this host, rank 0 hosting the store (MASTER_PORT is the caller's)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+
+
+def launch_ranks(request: dict) -> int:
+    """Fork the request's ranks (this process has run nothing of torch), then wait for them as torchrun would:
+    the first rank that fails ends the others, and its exit code is the launch's (128 + N for signal N)."""
+    world = request["ranks"]
+    ranks: dict[int, int] = {}  # pid -> rank
+    for rank in range(world):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(rank_environment(rank, world))
+            run_command(request)  # raises the rank's SystemExit: never returns here
+        ranks[pid] = rank
+
+    def forward(signum, _frame):  # a signal to the launch is one to every rank, as torchrun passes SIGTERM on
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    return wait_for_ranks(ranks)
+
+
+def wait_for_ranks(ranks: dict[int, int]) -> int:
+    left, launch_code, kill_at = dict(ranks), 0, None
+    while left:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if kill_at is not None and time.monotonic() > kill_at:
+                for other in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGKILL)
+                kill_at = None
+            time.sleep(0.05)
+            continue
+        if pid not in left:
+            continue
+        rank, code = left.pop(pid), os.waitstatus_to_exitcode(status)
+        if code != 0 and launch_code == 0:
+            launch_code = code if code > 0 else 128 - code
+            print(f"warm launch: rank {rank} ended with exit code {code}; ending the other ranks", file=sys.stderr)
+            for other in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGTERM)
+            kill_at = time.monotonic() + RANK_STOP_GRACE_S
+    return launch_code
 
 
 def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
@@ -131,14 +209,15 @@ class WarmCli:
         line, self._unread = self._unread.split(b"\n", 1)
         return line.decode()
 
-    def start(self, argv: list[str], cwd: Path, timeout: float, env: dict[str, str], script=None) -> WarmProcess:
+    def start(self, argv: list[str], cwd: Path, timeout: float, env: dict[str, str], script=None,
+              ranks: int = 0) -> WarmProcess:  # fmt: skip
         out_dir = Path(tempfile.mkdtemp(prefix="warm-run-"))  # the run's stdout and stderr files
         request = dict(argv=argv, cwd=str(cwd), env=env, timeout=timeout, script=str(script) if script else None,
-                       stdout=str(out_dir / "stdout"), stderr=str(out_dir / "stderr"))  # fmt: skip
+                       stdout=str(out_dir / "stdout"), stderr=str(out_dir / "stderr"), ranks=ranks)  # fmt: skip
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
         pid = json.loads(self.reply(timeout=None))["pid"]
-        proc = WarmProcess(self, command(argv, script), pid, out_dir)
+        proc = WarmProcess(self, command(argv, script, ranks, env), pid, out_dir)
         _running.add(proc)
         return proc
 
@@ -218,39 +297,49 @@ def forking_is_unsafe() -> bool:
     return torch.cuda.is_available()
 
 
-def command(argv: list, script=None) -> list[str]:
-    return [sys.executable, *([str(script)] if script else ["-m", "dapo_mcore.cli"]), *map(str, argv)]
+def command(argv: list, script=None, ranks: int = 0, env: dict | None = None) -> list[str]:
+    """The command line a run stands for: with `ranks`, torchrun's on one host, at env's MASTER_PORT."""
+    launcher = []
+    if ranks:
+        port = (env or {}).get("MASTER_PORT", "29500")
+        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+                    f"--master_port={port}"]  # fmt: skip
+    target = [str(script)] if script else ["-m", "dapo_mcore.cli"]
+    return [sys.executable, *launcher, *target, *map(str, argv)]
 
 
-def cold_process(argv: list, env: dict[str, str], script=None, cwd: Path = REPO) -> subprocess.Popen:
+def cold_process(argv: list, env: dict[str, str], script=None, cwd: Path = REPO, ranks: int = 0) -> subprocess.Popen:
     """The command in a fresh interpreter, in a process group of its own, as a warm run would be."""
     pipe = subprocess.PIPE
-    return subprocess.Popen(command(argv, script), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
-                            stderr=pipe, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(command(argv, script, ranks, env), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=pipe, stderr=pipe, text=True, start_new_session=True)  # fmt: skip
 
 
-def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
+def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO, ranks: int = 0):
     """`python -m dapo_mcore.cli ARGV` (or `python SCRIPT ARGV`) started in a process forked from an idle warm
-    server for `env` (one is started when none is idle); the server ends the run after `timeout` seconds.
-    On a GPU machine a fresh process instead (forking_is_unsafe), which the caller waits for with its timeout."""
+    server for `env` (one is started when none is idle); the server ends the run after `timeout` seconds. With
+    `ranks`, that many ranks of an env:// rendezvous on env's MASTER_PORT, as `torchrun --nproc_per_node` starts.
+    On a GPU machine a fresh process instead (forking_is_unsafe; torchrun for ranks), which the caller waits for
+    with its timeout."""
     if forking_is_unsafe():
-        return cold_process(argv, env, script, cwd)
+        return cold_process(argv, env, script, cwd, ranks)
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     servers = _servers.setdefault(tuple(sorted(server_env.items())), [])
     servers[:] = [s for s in servers if s.server.poll() is None]  # a dead server is replaced
     busy = {proc._server for proc in _running}
     server = next((s for s in servers if s not in busy), None)
     if server is None:
-        server = WarmCli(server_env, cwd)
+        server = WarmCli(server_env, REPO)  # each run goes to its own cwd
         servers.append(server)
-    return server.start([str(a) for a in argv], cwd, timeout, env, script)
+    return server.start([str(a) for a in argv], cwd, timeout, env, script, ranks)
 
 
-def run_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO):
+def run_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd: Path = REPO, ranks: int = 0):
     """start_warm's command, waited for: returns what subprocess.run(capture_output=True, text=True) would."""
     if forking_is_unsafe():
-        return subprocess.run(command(argv, script), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    proc = start_warm(argv, env, timeout, script, cwd)
+        return subprocess.run(command(argv, script, ranks, env), capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=cwd)  # fmt: skip
+    proc = start_warm(argv, env, timeout, script, cwd, ranks)
     out, err = proc.communicate()
     if proc.timed_out:
         raise subprocess.TimeoutExpired(proc.args, timeout, out, err)

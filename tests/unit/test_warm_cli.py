@@ -1,5 +1,6 @@
-"""The tests' warm runner (tests/warm_cli.py) on a GPU machine: no fork (CUDA refuses a forked child), each run a
-fresh interpreter with the same argv, environment, working directory and result."""
+"""The tests' warm runner (tests/warm_cli.py): several ranks forked as torchrun would start them; on a GPU machine no
+fork (CUDA refuses a forked child), each run a fresh interpreter (torchrun for ranks) with the same argv,
+environment, working directory and result."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import sys
 
 from tests import warm_cli
+from tests.conftest import free_port
 
 
 def test_on_a_gpu_machine_runs_are_fresh_processes_with_the_same_result(tmp_path, monkeypatch):
@@ -28,3 +30,42 @@ def test_on_a_gpu_machine_a_started_run_can_be_signalled_and_waited_for(tmp_path
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM
+
+
+RANK_PROBE = """import os, sys
+warm = "torch" in sys.modules  # preloaded by the server: the rank is a fork, not a fresh interpreter
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+print("rank", *(os.environ.get(k) for k in keys), warm, sys.argv[1:], flush=True)
+"""
+
+
+def test_ranks_fork_from_the_warm_server_with_an_env_rendezvous_and_share_the_output(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_PROBE)
+    env = {**warm_cli.cli_env(), "MASTER_PORT": "41234"}
+    proc = warm_cli.run_warm(["x"], env, 300, script=script, cwd=tmp_path, ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} {r} 3 3 127.0.0.1 41234 True ['x']" for r in range(3)], proc.stdout
+    assert proc.args[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
+
+
+def test_a_failing_rank_ends_the_others_and_gives_the_launch_its_exit_code(tmp_path):
+    script = tmp_path / "one_fails.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(3600)\n")
+    # rank 0 must be ended by the launch: at the timeout the server would end it and run_warm raise
+    proc = warm_cli.run_warm([], {**warm_cli.cli_env(), "MASTER_PORT": "1"}, 600, script=script, ranks=2)
+    assert proc.returncode == 3
+    assert "warm launch: rank 1 ended with exit code 3; ending the other ranks" in proc.stderr
+
+
+def test_on_a_gpu_machine_ranks_are_started_by_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_cli, "forking_is_unsafe", lambda: True)
+    monkeypatch.setattr(warm_cli, "WarmCli", None)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_PROBE)
+    env = {**warm_cli.cli_env(), "MASTER_PORT": str(free_port())}
+    proc = warm_cli.run_warm(["x"], env, 300, script=script, cwd=tmp_path, ranks=2)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("rank ")) == ["0", "1"]
+    assert f"--master_port={env['MASTER_PORT']}" in proc.args
