@@ -132,14 +132,16 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
     if nproc == 1:
         proc = run_warm(args, full_env, timeout, script=script)
     else:
-        proc = _run_ranks(script, nproc, args, timeout, full_env)
+        proc = run_ranks(args, nproc, timeout, full_env, script=script)
     if proc.returncode != 0:
         pytest.fail(f"{script.name} {' '.join(map(str, args))} at {nproc} ranks failed ({proc.returncode}):\n"
                     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")  # fmt: skip
     return proc
 
 
-def _run_ranks(script: Path, nproc: int, args, timeout: int, env: dict):
+def run_ranks(args, nproc: int, timeout: float, env: dict, script: Path | None = None):
+    """`torchrun --nproc_per_node=nproc [SCRIPT | -m dapo_mcore.cli] ARGS` on this host, its ranks forked from a warm
+    server (tests/warm_cli.py); what subprocess.run(capture_output=True, text=True) returns."""
     from tests.warm_cli import run_warm
 
     # free_port's port may be taken before rank 0's store listens on it (a suite run met EADDRINUSE beside the

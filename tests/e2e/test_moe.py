@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
 from tests.e2e.test_train_cli import SHORT, cli, read_rows
 
 pytestmark = pytest.mark.e2e
@@ -22,10 +21,6 @@ MOE = [
 ]
 
 
-def torchrun() -> list[str]:
-    return ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-
-
 def test_a_moe_model_trains_at_ep2_and_its_save_resumes_at_ep1(tmp_path: Path):
     ep2, ep1 = tmp_path / "ep2", tmp_path / "ep1"
     proc = cli(
@@ -34,7 +29,7 @@ def test_a_moe_model_trains_at_ep2_and_its_save_resumes_at_ep1(tmp_path: Path):
         "parallel.expert_model_parallel_size=2",
         "trainer.steps=2",
         "checkpoint.save_interval=1",
-        launcher=torchrun(),
+        ranks=2,
     )
     assert "experts: EP 2 x expert TP 1" in proc.stderr
     rows = read_rows(ep2)
@@ -52,7 +47,7 @@ def test_a_moe_model_trains_at_ep2_and_its_save_resumes_at_ep1(tmp_path: Path):
         f"logging.run_dir={ep1}",
         "trainer.steps=2",
         f"checkpoint.resume={ep2 / 'checkpoints' / 'step_000001'}",
-        launcher=torchrun(),
+        ranks=2,
     )
     assert "'ep': 2" in proc.stderr  # saved at another layout: resharded
     (resumed,) = read_rows(ep1)

@@ -9,7 +9,7 @@ import pytest
 
 from dapo_mcore.config import load_config
 from dapo_mcore.config.presets import COMPONENTS_OFF
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, run_ranks
 from tests.warm_cli import cli_env, run_warm
 
 REQUIRED_METRICS = (
@@ -42,11 +42,14 @@ SHORT = [
 ]
 
 
-def cli(*args, launcher=(), timeout=600, expect=0, fresh=False):
-    """`python [launcher] -m dapo_mcore.cli ARGS`; single-process runs fork from a warm server (tests/warm_cli.py)
-    unless `fresh` (the test is about the command's own start and exit)."""
+def cli(*args, launcher=(), ranks=0, timeout=600, expect=0, fresh=False):
+    """`python [launcher] -m dapo_mcore.cli ARGS`; runs fork from a warm server (tests/warm_cli.py) unless `fresh`
+    (the test is about the command's own start and exit) or `launcher` (a real torchrun: the test is about it).
+    `ranks`: that many ranks on this host, as `torchrun --nproc_per_node=ranks` starts them."""
     env = cli_env()
-    if launcher or fresh:
+    if ranks:
+        proc = run_ranks(list(args), ranks, timeout, env)
+    elif launcher or fresh:
         cmd = [sys.executable, *launcher, "-m", "dapo_mcore.cli", *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     else:
@@ -237,11 +240,10 @@ def test_validation_is_split_over_data_parallel_engine_replicas_with_partial_rol
     unfinished groups gathered on every rank; and the held-out validation split over the replicas."""
     run_dir, held_out = tmp_path / "run", tmp_path / "held.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"What is {a}+1?\n", "answer": a + 1}) + "\n" for a in range(5)))
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     evaluation = [f"data.eval_files={held_out}", "trainer.eval_interval=2", "trainer.eval_k=2"]
     partial = ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"]
     cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", *evaluation, *partial,
-        f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled", launcher=launcher)  # fmt: skip
+        f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled", ranks=2)  # fmt: skip
     rows = read_rows(run_dir)
     training = [r for r in rows if "actor/train_tokens" in r]
     assert len(training) == 2 and all(r["actor/train_tokens"] > 0 for r in training)
