@@ -34,7 +34,7 @@ def slurm_cluster(tmp_path_factory):
 
 # The multi-node tests' cluster: node1..node9, each a network namespace with its own address, hostname and slurmd
 # (tests/slurm/netns.py), enough for the module's jobs to run at once on nodes of their own (2 + 2 + 1 + 2 + 2,
-# tests/slurm/test_multinode.py). 4 CPUs each (Slurm trusts the number: 2 tasks a node, or 4 on one). Slurm
+# tests/slurm/test_multinode.py). 4 CPUs each (Slurm trusts the number: 1 task a node, or 2 on one). Slurm
 # declares a silent node DOWN after SLURMD_TIMEOUT s (default 300): long enough that a test can tell the run's own
 # liveness stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s
 # after the re-queue (5 s: Slurm's minimum). On READ_ONLY_NODE alone the folder `read_only_path` is read-only.

@@ -9,18 +9,20 @@ from pathlib import Path
 
 from tests.conftest import REPO, free_port
 
-# 4 tasks of the demo recipe (TP 2 x DP 2) train 0.6-0.8 s a step here, after 25-45 s of start-up (4 processes
-# importing torch and Megatron-Core on 2 cores), and 60-90 s beside the heaviest of the suite (load average 13-20:
-# seen on fresh clones). The multi-node module runs its jobs at once (tests/slurm/test_multinode.py), so the
-# time-limited jobs are timed for a start-up of up to 150 s. Slurm's timer ticks every 30 s and warns 0-30 s early
-# (tests/slurm/cluster.py). A time-limited job's first attempt pauses in every step (its `step_pause`, through
-# tests.verifiers:spread_pausing_in_the_first_attempt, the demo's own filter otherwise): slower steps that compute
-# the same thing, so that its STEPS outlast the attempt even after the quickest start-up, while a re-queued attempt
-# trains the rest at full speed. At most 2 generation rounds a step: uncapped, the late steps of the demo (accuracy
-# 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s each (issue 21).
+# The jobs have 2 tasks (DP 2). At 4 tasks (TP 2 x DP 2), as they were, the demo recipe trained 0.6-0.8 s a step here,
+# after 25-45 s of start-up (4 processes importing torch and Megatron-Core on 2 cores), and 60-90 s beside the heaviest
+# of the suite (load average 13-20: seen on fresh clones); at 2 tasks, with the multi-node module's jobs starting at
+# once beside another suite's tests (load average 20-30), 0.5-5 s a step after 44-97 s. The multi-node module runs its
+# jobs at once (tests/slurm/test_multinode.py), so the time-limited jobs are timed for a start-up of up to 150 s.
+# Slurm's timer ticks every 30 s and warns 0-30 s early (tests/slurm/cluster.py). A time-limited job's first attempt
+# pauses in every step (its `step_pause`, through tests.verifiers:spread_pausing_in_the_first_attempt, the demo's own
+# filter otherwise): slower steps that compute the same thing, so that its STEPS outlast the attempt even after the
+# quickest start-up, while a re-queued attempt trains the rest at full speed. At most 2 generation rounds a step:
+# uncapped, the late steps of the demo (accuracy 0.9, most groups all-correct) took 6-8 rounds and 2.5-3.5 s
+# each (issue 21).
 STEPS = 12
 # Warned: a 5-minute job warned 90 s ahead gets the warning 180-210 s into its attempt, after the slowest start-up
-# (a 3-minute one, warned 60-90 s in, was once warned while its 4 tasks were still starting: nothing to save);
+# (a 3-minute one, warned 60-90 s in, was once warned while its tasks were still starting: nothing to save);
 # 12 steps of 18 s pauses take 216 s and more.
 TIME_LIMIT = ["--time=5", "--signal=B:USR1@90"]
 WARNED_STEP_PAUSE = 18.0

@@ -1,7 +1,7 @@
 """slurm/train.sbatch across hosts, on a private Slurm cluster of 9 nodes on this machine (each a network
-namespace with its own address, hostname and slurmd: tests/slurm/netns.py). The reference: 4 tasks on one node
-(TP 2 x DP 2) run the test recipe to the end. On 2 nodes x 2 tasks (TP 2 inside a node, DP 2 across the nodes),
-every job below ends with the reference's metrics: torchrun across two hosts without Slurm; Slurm's time-limit
+namespace with its own address, hostname and slurmd: tests/slurm/netns.py). The reference: 2 tasks on one node
+(DP 2) run the test recipe to the end. On 2 nodes x 1 task (the same DP 2, across the nodes), every job below
+ends with the reference's metrics: torchrun across two hosts without Slurm; Slurm's time-limit
 warning saves on both hosts, re-queues, and the job resumes on another node set; a warning that would come too
 late, where the run stops by itself; a node that dies mid-step, which stops the ranks left within a bound, and
 the re-queued job resumes from the newest save on other nodes. A problem of one host is named once, with that
@@ -42,10 +42,11 @@ from tests.slurm.jobs import (
     without_timings,
 )
 
-TP2 = ["parallel.tensor_model_parallel_size=2"]  # with 4 tasks: DP 2, TP inside a node (tasks 0-1, 2-3)
+# Every job is DP 2 (the recipe's TP 1): 2 tasks, each a process paying torch's and Megatron-Core's imports (about
+# 12 CPU-s). At 4 tasks (TP 2 x DP 2) the module cost 955 CPU-s run by itself, 980 in a suite; at 2, 456.
 CPU = ["--cpus-per-task=1", "--gpus-per-node=0", "--gres=none", "--exclusive"]  # a node holds one job
-ONE_NODE = ["--nodes=1", "--ntasks-per-node=4", *CPU]
-TWO_NODES = ["--nodes=2", "--ntasks-per-node=2", *CPU]
+ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", *CPU]
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", *CPU]  # task 0 on the first node, task 1 on the second
 
 
 def task_logs(tmp_path: Path, name: str, attempt: int = 0) -> dict[int, str]:
@@ -118,9 +119,9 @@ def start(cluster, tmp_path_factory, name: str, *options: str, step_pause: float
 
 
 # A re-queued attempt's time limit, in minutes: what the tests check happens in the first attempt, and on a loaded
-# machine (4 tasks starting in 105-150 s beside the suite's heaviest tests) each later 5-minute attempt trained a
-# step or two before its own warning (one job took 5 attempts), and a save of 42.8 s (estimated 10 s) ended 2 s
-# before the limit, so that Slurm ended the job before its script could re-queue it.
+# machine (when the jobs had 4 tasks, starting in 105-150 s beside the suite's heaviest tests) each later 5-minute
+# attempt trained a step or two before its own warning (one job took 5 attempts), and a save of 42.8 s (estimated
+# 10 s) ended 2 s before the limit, so that Slurm ended the job before its script could re-queue it.
 RESUMED_TIME_LIMIT_MIN = 15
 
 
@@ -139,16 +140,16 @@ def lengthen_once_requeued(cluster: SlurmCluster, job_ids: list[int], stop: thre
 def jobs(slurm_nodes, tmp_path_factory) -> Iterator[Jobs]:
     """Submitted first: the warned job (whose second node is drained once it runs, so that its re-queued attempt
     must run on another node set), the job whose warning comes too late and the one-node reference. The job that
-    meets a read-only directory is submitted by its test, later: 20 tasks starting at once on 2 cores, with the
-    other workers' tests, made the suite's first minutes too slow for the one-node cluster's scancel test. The
-    time-limited jobs' later attempts get RESUMED_TIME_LIMIT_MIN."""
+    meets a read-only directory is submitted by its test, later: 20 tasks starting at once on 2 cores (5 jobs of 4
+    tasks, as they were), with the other workers' tests, made the suite's first minutes too slow for the one-node
+    cluster's scancel test. The time-limited jobs' later attempts get RESUMED_TIME_LIMIT_MIN."""
     started = Jobs()
     started.cluster = slurm_nodes
     started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, step_pause=WARNED_STEP_PAUSE,
-                               overrides=[*TP2, *WARNING_ONLY])  # fmt: skip
+                               overrides=WARNING_ONLY)  # fmt: skip
     started["own"] = start(slurm_nodes, tmp_path_factory, "own", *LATE_WARNING, step_pause=OWN_STOP_STEP_PAUSE,
-                           overrides=[*TP2, *OWN_STOP_MARGIN])  # fmt: skip
-    started["one"] = start(slurm_nodes, tmp_path_factory, "one", overrides=TP2, shape=ONE_NODE)
+                           overrides=OWN_STOP_MARGIN)  # fmt: skip
+    started["one"] = start(slurm_nodes, tmp_path_factory, "one", shape=ONE_NODE)
     running = slurm_nodes.wait(started["limited"].id, states={"RUNNING"}, timeout=120)
     started.drained = expand(slurm_nodes, running["NodeList"])[1]
     slurm_nodes.run("scontrol", "update", f"NodeName={started.drained}", "State=DRAIN", "Reason=dapo-test")
@@ -184,7 +185,7 @@ def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_
     """The first node of the allocation dies: the batch script's host, rank 0's (the rendezvous store's, the run
     lock holder's). Its link goes down first, so its peers hear nothing, as from a host that lost power. First in
     this module, beside the jobs started with it (on other nodes); that node stays down."""
-    overrides = [*TP2, "checkpoint.save_interval=3", f"parallel.peer_timeout_s={PEER_TIMEOUT_S}"]
+    overrides = ["checkpoint.save_interval=3", f"parallel.peer_timeout_s={PEER_TIMEOUT_S}"]
     job_id, run_dir = submit(  # not on READ_ONLY_NODE: a later test needs it alive
         slurm_nodes, tmp_path, "dies", f"--exclude={READ_ONLY_NODE}", overrides=overrides, shape=TWO_NODES
     )
@@ -193,19 +194,18 @@ def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_
         assert time.monotonic() < deadline, slurm_nodes.job(job_id)
         time.sleep(0.2)
     hosts = hosts_of(task_logs(tmp_path, "dies", 0))
-    dead, other = hosts[0], hosts[2]  # tasks 0-1 on the first node, 2-3 on the second
+    dead, other = hosts[0], hosts[1]  # task 0 on the first node, task 1 on the second
     failed_at = time.monotonic()
     slurm_nodes.fail_node(dead)
     print(f"{dead} failed at {time.strftime('%H:%M:%S')}")
-    while ranks := processes_of_jobs(slurm_nodes, other, only="dapo_mcore.cli train"):  # ranks 2, 3 stop
+    while ranks := processes_of_jobs(slurm_nodes, other, only="dapo_mcore.cli train"):  # rank 1 stops
         assert time.monotonic() - failed_at < SLURMD_TIMEOUT, ranks  # by themselves, before Slurm ends the job
         time.sleep(0.2)
     stopped_after = time.monotonic() - failed_at
     # well before Slurm declares the node DOWN (SLURMD_TIMEOUT) and far below the collective timeouts (30/240 min)
     assert stopped_after < PEER_TIMEOUT_S + 15, stopped_after
-    for rank in (2, 3):
-        lost = task_logs(tmp_path, "dies", 0)[rank]
-        assert re.search(rf"peer lost: .*\(rank 0's host, {dead}\).* \(exit 76\)", lost), lost[-3000:]
+    lost = task_logs(tmp_path, "dies", 0)[1]
+    assert re.search(rf"peer lost: .*\(rank 0's host, {dead}\).* \(exit 76\)", lost), lost[-3000:]
     record, out = finished(slurm_nodes, job_id, tmp_path, "dies", timeout=600)  # Slurm re-queues it (NODE_FAIL)
     assert record["Restarts"] == "1", out
     resumed = task_logs(tmp_path, "dies", 1)
@@ -225,13 +225,13 @@ def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_
     )  # fmt: skip (slurm/README.md's figures, -s)
 
 
-def test_the_batch_script_runs_4_tasks_on_one_node_to_the_end(jobs):
+def test_the_batch_script_runs_2_tasks_on_one_node_to_the_end(jobs):
     one_node = jobs.reference()
     logs = task_logs(one_node.parent, "one")
-    assert sorted(logs) == [0, 1, 2, 3]  # one log per task
+    assert sorted(logs) == [0, 1]  # one log per task
     assert [row["step"] for row in rows(one_node)] == list(range(1, STEPS + 1))  # updates done
-    assert "world=4 = TP 2 x PP 1 x DP 2" in logs[0]
-    assert f"preflight passed on 4 ranks on 1 host ({hosts_of(logs)[0]})" in logs[0]
+    assert "world=2 = TP 1 x PP 1 x DP 2" in logs[0]
+    assert f"preflight passed on 2 ranks on 1 host ({hosts_of(logs)[0]})" in logs[0]
 
 
 def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_node(slurm_nodes, jobs, tmp_path):
@@ -240,9 +240,9 @@ def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_nod
     from tests.slurm.jobs import RECIPE
 
     run_dir = tmp_path / "torchrun"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400", "--rdzv-id", "two-hosts",
-               "-m", "dapo_mcore.cli", "train", *RECIPE, *TP2, f"logging.run_dir={run_dir}"]  # fmt: skip
+               "-m", "dapo_mcore.cli", "train", *RECIPE, f"logging.run_dir={run_dir}"]  # fmt: skip
     env = {**slurm_nodes.env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank, node in enumerate(("node1", "node2")):
@@ -257,23 +257,23 @@ def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_nod
             log.close()
     outputs = {node: (tmp_path / f"{node}.log").read_text() for node in ("node1", "node2")}
     assert codes == [0, 0], outputs
-    assert "preflight passed on 4 ranks on 2 hosts" in outputs["node1"] + outputs["node2"]
+    assert "preflight passed on 2 ranks on 2 hosts" in outputs["node1"] + outputs["node2"]
     assert without_timings(rows(run_dir)) == without_timings(rows(jobs.reference()))
 
 
 def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_path_factory):
-    overrides = [*TP2, f"checkpoint.dir={slurm_nodes.read_only_path}/checkpoints"]
+    overrides = [f"checkpoint.dir={slurm_nodes.read_only_path}/checkpoints"]
     job = start(slurm_nodes, tmp_path_factory, "ro", f"--nodelist={READ_ONLY_NODE}", overrides=overrides)
     record = slurm_nodes.wait(job.id, timeout=600)  # READ_ONLY_NODE may first end a re-queued attempt there
     out = job_output(job.folder, "ro", job.id)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", f"{record}\n{out}"
     task_logs_of_ro = task_logs(job.folder, "ro")
     ranks_there = sorted(rank for rank, host in hosts_of(task_logs_of_ro).items() if host == READ_ONLY_NODE)
-    assert len(ranks_there) == 2, task_logs_of_ro  # the read-only node is one of the job's two
+    assert len(ranks_there) == 1, task_logs_of_ro  # the read-only node is one of the job's two
     logs = "".join(task_logs_of_ro.values())
     read_only = slurm_nodes.read_only_path
     problem = f"checkpoint directory {read_only}/checkpoints: cannot write in {read_only} (Read-only file system)"
-    named = f"{problem} (ranks {ranks_there[0]},{ranks_there[1]} on {READ_ONLY_NODE})"  # that host's, no other
+    named = f"{problem} (rank {ranks_there[0]} on {READ_ONLY_NODE})"  # that host's, no other
     assert logs.count(problem) == 1 and named in logs, logs[-4000:]  # one task printed it, whichever failed first
     assert out.count(problem) == 1 and named in out, out  # and the job's output repeats it, with the job's code
     assert re.search(r"task \d on node\d failed first \(exit code 2; srun: \d+\)", out), out
@@ -293,12 +293,12 @@ def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_anoth
     second_nodes = set(hosts_of(task_logs(job.folder, "limited", 1)).values())
     assert len(second_nodes) == 2 and jobs.drained not in second_nodes, out  # the nodes of the second attempt
     first = task_logs(job.folder, "limited", 0)
-    # 2 nodes x 2 tasks: each log names its host; the rendezvous is the first node, by name, seen from the other
+    # 2 nodes x 1 task: each log names its host; the rendezvous is the first node, by name, seen from the other
     one, two = first_nodes
     assert two == jobs.drained
-    assert hosts_of(first) == {0: one, 1: one, 2: two, 3: two} and f"rendezvous {one}:" in first[2]
-    assert "world=4 = TP 2 x PP 1 x DP 2" in first[0]
-    assert f"preflight passed on 4 ranks on 2 hosts ({one}, {two})" in first[0]  # each rank checked its host
+    assert hosts_of(first) == {0: one, 1: two} and f"rendezvous {one}:" in first[1]
+    assert "world=2 = TP 1 x PP 1 x DP 2" in first[0]
+    assert f"preflight passed on 2 ranks on 2 hosts ({one}, {two})" in first[0]  # each rank checked its host
     stopped = re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to (\S+)", first[0])
     assert stopped, first[0][-3000:]
     # every step ran exactly once, in order, with the metrics of the one-node run
