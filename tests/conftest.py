@@ -128,7 +128,7 @@ def run_torchrun(script: Path, nproc: int, *args: str, timeout: int = 600, env: 
     hosting the store); one process makes its own one-process world, as under torchrun."""
     from tests.warm_cli import cli_env, run_warm
 
-    full_env = {**cli_env(), "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**cli_env(), **(env or {})}
     if nproc == 1:
         proc = run_warm(args, full_env, timeout, script=script)
     else:

@@ -292,8 +292,10 @@ _servers: dict[tuple, list[WarmCli]] = {}  # per environment (few: the CLI's and
 
 
 def cli_env() -> dict[str, str]:
-    """The environment of the tests' CLI runs: one thread each (runs share the 2 cores), no warnings."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    """The environment of the tests' CLI runs: one thread each (runs share the 2 cores), no warnings, the
+    repository importable (the dist tier's scripts import tests.*): one environment, so one set of warm servers,
+    for the CLI's runs and the scripts' (a server costs about 14 CPU-s to start)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
 
 # Set per call (by pytest for each test phase, or a one-process world's rendezvous); the child gets the caller's
