@@ -17,7 +17,7 @@ import yaml
 from dapo_mcore.checkpoint.model_checkpoint import verify_complete
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
 from dapo_mcore.utils.errors import CheckpointError
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 from tests.e2e.test_train_cli import SHORT, cli, read_rows
 from tests.warm_cli import cli_env, start_warm
 
@@ -164,19 +164,18 @@ def test_resume_auto_falls_back_past_a_damaged_save_and_a_named_one_is_an_error(
 
 
 def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     ref_dir, moved_dir = tmp_path / "tp2", tmp_path / "pp2"
-    cli(*train_args(ref_dir, "trainer.steps=3", "parallel.tensor_model_parallel_size=2"), launcher=launcher)
-    launcher[-1] = f"--master_port={free_port()}"
+    cli(*train_args(ref_dir, "trainer.steps=3", "parallel.tensor_model_parallel_size=2"), ranks=2)
     save = ref_dir / "checkpoints" / "step_000002"
     proc = cli(
         *train_args(
             moved_dir, "trainer.steps=3", "parallel.pipeline_model_parallel_size=2", f"checkpoint.resume={save}"
         ),
-        launcher=launcher,
+        ranks=2,
     )
     assert "saved at layout {'tp': 2, 'pp': 1" in proc.stderr
-    # both two-process runs trained (the CLI under torchrun at TP 2 and at PP 2) and recorded their layout
+    # both two-rank runs trained (the CLI at TP 2 and at PP 2; under a real torchrun: faults/test_preflight.py,
+    # dist/test_dead_rank.py, the Slurm tier's torchrun across hosts) and recorded their layout
     for run_dir, layout in ((ref_dir, (2, 1)), (moved_dir, (1, 2))):
         assert all(row["actor/train_tokens"] > 0 for row in read_rows(run_dir))
         parallel = yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]
