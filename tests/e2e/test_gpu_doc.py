@@ -6,7 +6,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo_mcore.data.templates import DAPO_PREFIX, DAPO_SUFFIX
+from tests.warm_cli import cli_env, run_warm
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "gpu.md"
@@ -59,13 +59,14 @@ def checkout(tmp_path) -> Path:
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    argv = shlex.split(command)
-    if argv[0] == "python":
-        argv[0] = sys.executable
-    elif argv[0] == "dapo-mcore":
-        argv[:1] = [sys.executable, "-m", "dapo_mcore.cli"]
+    """The doc's command in `cwd` ($DOWNLOADS as its block exports it); `python SCRIPT` and `dapo-mcore` fork from
+    a warm server (tests/warm_cli.py), anything else runs as it is."""
+    argv = [os.path.expandvars(a).replace("$DOWNLOADS", "downloads") for a in shlex.split(command)]
+    if argv[0] == "dapo-mcore":
+        return run_warm(argv[1:], cli_env(), 120, cwd=cwd)
+    if argv[0] == "python" and argv[1].endswith(".py"):
+        return run_warm(argv[2:], cli_env(), 120, script=cwd / argv[1], cwd=cwd)
     env = {**os.environ, "DOWNLOADS": "downloads", "PYTHONPATH": str(REPO)}
-    argv = [os.path.expandvars(a).replace("$DOWNLOADS", "downloads") for a in argv]
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
