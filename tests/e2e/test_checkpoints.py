@@ -5,8 +5,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
 from dapo_mcore.utils.errors import CheckpointError
 from tests.conftest import REPO
 from tests.e2e.test_train_cli import SHORT, cli, read_rows
-from tests.warm_cli import cli_env, start_warm
+from tests.warm_cli import cli_env, run_warm, start_warm
 
 STEPS = 6
 # Saves after steps 2, 4 and 6 (step_000002 ... step_000006: the next step to run), all three kept.
@@ -192,8 +190,9 @@ def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
 
 
 def test_training_from_a_converted_checkpoint_equals_training_from_the_hf_directory(tmp_path):
-    convert = [sys.executable, "tools/convert_hf_to_mcore.py", "examples/models/tiny-arith", str(tmp_path / "mcore")]
-    subprocess.run(convert, cwd=REPO, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    convert = ["examples/models/tiny-arith", str(tmp_path / "mcore")]  # the tool forks from the warm server
+    proc = run_warm(convert, cli_env(), 300, script=REPO / "tools/convert_hf_to_mcore.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     one_step = ["trainer.steps=1", "checkpoint.save_interval=0"]
     cli(*train_args(tmp_path / "hf", *one_step))
     cli(*train_args(tmp_path / "mc", *one_step, "model.init=mcore", f"model.mcore_path={tmp_path / 'mcore'}"))
