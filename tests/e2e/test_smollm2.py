@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 from tests.e2e.test_train_cli import cli, read_rows
 
 SMOLLM2 = REPO / "models/SmolLM2-135M-Instruct"
@@ -27,15 +27,17 @@ SMOLLM2 = REPO / "models/SmolLM2-135M-Instruct"
 # dequantising each time otherwise); its name carries a hash of the code that makes it.
 MODEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapo-mcore" / "models"
 CONVERTER = [REPO / "tools/gguf_to_hf.py", REPO / "dapo_mcore/checkpoint/gguf.py"]
-# The recipe, made small: 2 prompts x 4 answers of at most 16 tokens per step.
+# The recipe, made small: 1 prompt x 4 answers of at most 16 tokens per step, one micro-batch. The step's compute
+# (the 135M model's forward and backward over each answer and its ~45-token chat prompt) was most of a run: 8
+# answers took 12 s of update a step on one core.
 FEW_STEPS = [
-    "rollout.prompts_per_step=2",
-    "rollout.gen_prompts_per_round=2",
+    "rollout.prompts_per_step=1",
+    "rollout.gen_prompts_per_round=1",
     "rollout.n_samples_per_prompt=4",
     "rollout.sampling.max_response_len=16",
     "algorithm.overlong.buffer_len=4",
     "algorithm.dynamic_sampling.enabled=false",  # every group trains, whatever the model answers
-    "trainer.mini_batch_size=8",
+    "trainer.mini_batch_size=4",
     "trainer.micro_batch_size=4",
     "trainer.eval_interval=0",
     "logging.wandb.mode=disabled",
@@ -94,12 +96,12 @@ def test_a_pp2_save_of_smollm2_converts_back_to_the_original_log_probs(smollm2, 
     from dapo_mcore.parallel import destroy_parallel
 
     run_dir, hf_out = tmp_path / "run", tmp_path / "hf"
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     # The save is what is checked: the HF engine generates the step's answers (two vLLM engines starting on 2
-    # cores cost a minute; vLLM with this model is the TP=1 test's).
+    # cores cost a minute; vLLM with this model is the TP=1 test's). The two ranks fork from the warm server, as
+    # torchrun --nproc_per_node=2 would start them (a real torchrun is for the tests about it).
     dry_run = ["trainer.steps=1", "optimizer.lr=0", "checkpoint.save_interval=1", "rollout.engine=hf"]
     cli("train", "examples/smollm2_cpu.yaml", *FEW_STEPS, *dry_run, "parallel.pipeline_model_parallel_size=2",
-        f"logging.run_dir={run_dir}", launcher=launcher, timeout=900)  # fmt: skip
+        f"logging.run_dir={run_dir}", ranks=2, timeout=900)  # fmt: skip
     assert read_rows(run_dir)[0]["actor/train_tokens"] > 0
     try:
         mcore_to_hf(run_dir / "checkpoints/step_000001", hf_out, dtype="")
