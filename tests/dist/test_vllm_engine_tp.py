@@ -44,7 +44,7 @@ def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_veri
     rows = train_at_engine_tp2(
         tmp_path / "run",
         "rollout.partial_rollout=true",
-        "rollout.gen_prompts_per_round=8",
+        "rollout.gen_prompts_per_round=2",  # rounds of half the step's prompts: every step generates and judges
         "algorithm.reward.verifier=tests.verifiers:slow_on_rank_1",
         "algorithm.reward.timeout_s=0.5",
         "parallel.timeout_minutes=3",
@@ -57,7 +57,8 @@ def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_veri
 
 
 def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[dict]:
-    """A 2-step demo run on two processes, one vLLM engine at TP 2 across them; its metrics rows."""
+    """A 2-step demo run on two processes, one vLLM engine at TP 2 across them, 4 prompts x 8 answers a step (the
+    demo's 16 cost each rank 7 s of generation in the first step); its metrics rows."""
     run_torchrun(
         REPO / "dapo_mcore/cli.py",
         2,
@@ -66,6 +67,10 @@ def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[di
         "rollout.engine=vllm",
         "rollout.engine_tp_size=2",
         "trainer.steps=2",
+        "rollout.prompts_per_step=4",
+        "rollout.gen_prompts_per_round=4",
+        "trainer.mini_batch_size=16",
+        "trainer.micro_batch_size=16",
         "checkpoint.save_interval=0",
         "logging.wandb.mode=disabled",
         "logging.progress=false",
