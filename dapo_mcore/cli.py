@@ -411,7 +411,8 @@ def _train(args: argparse.Namespace) -> int:
               "is not higher (raise it to train on)")  # fmt: skip
     else:
         steps = f"{done.first_step + 1}-{done.last_step}" if done.last_step > done.first_step + 1 else done.last_step
-        print(f"dapo-mcore: run finished: step {steps} trained; metrics, config and curves in {done.run_dir}")
+        what = "metrics, config and curves" if cfg.logging.plot else "metrics and config"
+        print(f"dapo-mcore: run finished: step {steps} trained; {what} in {done.run_dir}")
     return 0
 
 

@@ -349,7 +349,7 @@ def report(run: Run, step: int, metrics: dict[str, float]) -> None:
         return
     run.writer.write(step, metrics)
     interval = run.cfg.logging.plot_interval
-    if interval > 0 and step % interval == 0:
+    if run.cfg.logging.plot and interval > 0 and step % interval == 0:
         plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
 
 
@@ -357,7 +357,7 @@ def finish(run: Run, together: bool = False) -> None:
     """Close everything the run opened. `together`: every rank is here (a normal end, a stop on a signal),
     so the ranks wait for each other before leaving; not after a failure, where a rank may be gone."""
     if run.writer is not None:
-        if run.writer.path.exists():
+        if run.cfg.logging.plot and run.writer.path.exists():
             plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
         run.writer.close()
     run.verifiers.close()

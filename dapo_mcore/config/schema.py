@@ -495,6 +495,9 @@ class LoggingConfig:
     # "quiet": the rollout engines (vLLM, SGLang) and wandb print errors only; "verbose": their own logging as
     # they configure it (vLLM's INFO lines, SGLang's, wandb's banners). VLLM_LOGGING_LEVEL, when set, wins.
     engine_log: Literal["quiet", "verbose"] = "quiet"
+    # Draw curves.png in the run directory: every plot_interval steps and at the end. false: none (about 1 CPU-s
+    # a drawing; `dapo-mcore plot RUN_DIR` draws it from metrics.jsonl at any time, during the run or after).
+    plot: bool = True
     # Redraw the accuracy / length plot every N steps (and at the end).
     plot_interval: int = 10
     # Write N of each step's answers (prompt, answer, verdict, reward, advantage, weight versions) to

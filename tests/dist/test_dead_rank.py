@@ -18,7 +18,7 @@ def test_a_rank_killed_under_torchrun_is_named_once_by_a_survivor(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
         "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=4",
         "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32",
-        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.progress=false",
+        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false",
         "algorithm.dynamic_sampling.filter=tests.verifiers:kill_rank_1_in_step_2",
         f"logging.run_dir={run_dir}",
     ]  # fmt: skip

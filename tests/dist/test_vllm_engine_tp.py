@@ -73,6 +73,7 @@ def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[di
         "trainer.micro_batch_size=16",
         "checkpoint.save_interval=0",
         "logging.wandb.mode=disabled",
+        "logging.plot=false",
         "logging.progress=false",
         f"logging.run_dir={run_dir}",
         *overrides,

@@ -41,6 +41,7 @@ FEW_STEPS = [
     "trainer.micro_batch_size=4",
     "trainer.eval_interval=0",
     "logging.wandb.mode=disabled",
+    "logging.plot=false",
     "logging.progress=false",
 ]
 

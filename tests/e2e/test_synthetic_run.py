@@ -31,6 +31,7 @@ SHORT = [
     "trainer.micro_batch_size=16",
     "checkpoint.save_interval=0",
     "logging.wandb.mode=disabled",
+    "logging.plot=false",
     "logging.progress=false",
 ]
 

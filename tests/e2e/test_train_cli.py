@@ -39,6 +39,7 @@ SHORT = [
     "trainer.mini_batch_size=16",
     "trainer.micro_batch_size=16",
     "checkpoint.save_interval=0",  # tests/e2e/test_checkpoints.py covers saving
+    "logging.plot=false",  # about 1.3 CPU-s a drawing; the demo and validation tests draw curves.png
 ]
 
 
@@ -64,7 +65,8 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
     run_dir = tmp_path / "run"
-    proc = cli("train", "examples/smoke_cpu.yaml", *SHORT, f"logging.run_dir={run_dir}", fresh=True)
+    args = [*SHORT, "logging.plot=true", f"logging.run_dir={run_dir}"]
+    proc = cli("train", "examples/smoke_cpu.yaml", *args, fresh=True)
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]  # updates done
     for row in rows:
@@ -75,9 +77,7 @@ def test_demo_recipe_writes_config_metrics_plot_and_offline_wandb(tmp_path):
         # with the actor's to fp32 round-off (observed ~1e-7). A stale or partial push shows up here.
         assert row["mismatch/abs_logp_diff_mean"] < 1e-5 and abs(row["mismatch/ratio_max"] - 1) < 1e-3
     resolved = load_config(run_dir / "config.yaml")
-    assert resolved.trainer.steps == 3 and resolved == load_config(
-        "examples/smoke_cpu.yaml", SHORT + [f"logging.run_dir={run_dir}"]
-    )
+    assert resolved.trainer.steps == 3 and resolved == load_config("examples/smoke_cpu.yaml", args)
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
     assert "step 3/3" in proc.stdout + proc.stderr
@@ -110,7 +110,8 @@ def test_steps_count_updates_done_in_the_console_metrics_saves_and_a_finished_re
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
     assert "step 1/2 | " in first.stderr and "step 2/2 | " in first.stderr and "step 0/2" not in first.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
-    assert f"dapo-mcore: run finished: step 1-2 trained; metrics, config and curves in {run_dir}" in first.stdout
+    assert f"dapo-mcore: run finished: step 1-2 trained; metrics and config in {run_dir}" in first.stdout
+    assert not (run_dir / "curves.png").exists()  # logging.plot=false (SHORT)
     again = cli(*args, "checkpoint.resume=auto")
     assert f"dapo-mcore: nothing to train: {run_dir} is at step 2 already" in again.stdout
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
@@ -219,7 +220,7 @@ def test_validation_during_training_logs_held_out_metrics_and_draws_them(tmp_pat
         "trainer.eval_k=4",
         "trainer.eval_top_p=1.0",
     ]
-    cli("train", "examples/smoke_cpu.yaml", *SHORT, *evaluation, f"logging.run_dir={run_dir}")
+    cli("train", "examples/smoke_cpu.yaml", *SHORT, *evaluation, "logging.plot=true", f"logging.run_dir={run_dir}")
     rows = read_rows(run_dir)
     with_eval = [r["step"] for r in rows if "eval/held/avg@4" in r]
     assert with_eval == [0, 2, 3]  # before the first update, every 2 steps, and the trained weights

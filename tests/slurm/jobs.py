@@ -42,6 +42,7 @@ RECIPE = [
     "algorithm.dynamic_sampling.filter=tests.verifiers:spread_pausing_in_the_first_attempt",  # where asked
     "checkpoint.save_interval=0",  # no periodic save: only the time-limit warning saves
     "logging.wandb.mode=disabled",
+    "logging.plot=false",
     "logging.progress=false",
 ]
 # On this 2-core node: 2 tasks of 1 CPU, no GPU (the script's #SBATCH defaults are for 8-GPU nodes).

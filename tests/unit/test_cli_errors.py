@@ -32,6 +32,7 @@ def test_bad_input_is_one_clear_line(override, message, tiny_llama_dir, tmp_path
         f"model.hf_path={tiny_llama_dir}",
         f"logging.run_dir={tmp_path}/run",
         "logging.wandb.mode=disabled",
+        "logging.plot=false",
         override,
     )
     assert proc.returncode == 2, proc.stderr

@@ -102,6 +102,7 @@ def test_an_engine_that_fails_to_start_stops_the_run_with_one_line(capsys, tmp_p
             "rollout.cpu_kv_cache_mb=100000000",
             f"logging.run_dir={tmp_path / 'run'}",
             "logging.wandb.mode=disabled",
+            "logging.plot=false",
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()

@@ -41,6 +41,7 @@ def built(tmp_path_factory):
                 f"logging.run_dir={tmp_path_factory.mktemp('run')}",
                 "logging.progress=false",
                 "logging.wandb.mode=disabled",
+                "logging.plot=false",
                 "checkpoint.save_interval=0",
                 "trainer.steps=4",
             ],

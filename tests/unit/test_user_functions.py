@@ -69,7 +69,7 @@ def test_the_run_ends_with_one_line_naming_the_filter_and_exit_2(partial, tmp_pa
         [
             "train", "examples/smoke_cpu.yaml", "trainer.steps=1", f"rollout.partial_rollout={partial}",
             "algorithm.dynamic_sampling.filter=tests.verifiers:raise_in_filter", f"logging.run_dir={tmp_path}/run",
-            "logging.wandb.mode=disabled",
+            "logging.wandb.mode=disabled", "logging.plot=false",
         ],
         cli_env(),
         300,
