@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -41,9 +43,11 @@ from tests.slurm.jobs import (
     submit,
     without_timings,
 )
+from tests.slurm.warm_tasks import write_client
 
-# Every job is DP 2 (the recipe's TP 1): 2 tasks, each a process paying torch's and Megatron-Core's imports (about
-# 12 CPU-s). At 4 tasks (TP 2 x DP 2) the module cost 955 CPU-s run by itself, 980 in a suite; at 2, 456.
+# Every job is DP 2 (the recipe's TP 1): 2 tasks. As cold processes each paid torch's and Megatron-Core's imports
+# (about 12 CPU-s): at 4 tasks (TP 2 x DP 2) the module cost 955 CPU-s run by itself, 980 in a suite; at 2, 456. The
+# tasks fork from a warm server (`warm_python`): 273 CPU-s and 4.0 minutes by itself (8.3 before).
 CPU = ["--cpus-per-task=1", "--gpus-per-node=0", "--gres=none", "--exclusive"]  # a node holds one job
 ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", *CPU]
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", *CPU]  # task 0 on the first node, task 1 on the second
@@ -111,10 +115,32 @@ class Jobs(dict):
         return one.run_dir
 
 
-def start(cluster, tmp_path_factory, name: str, *options: str, step_pause: float = 0.0, overrides=(),
+@pytest.fixture(scope="module")
+def warm_python(slurm_nodes, tmp_path_factory) -> Iterator[str]:
+    """The jobs' DAPO_PYTHON: a client handing each task to a server that imported torch, Megatron-Core and
+    transformers once (tests/slurm/warm_tasks.py); the server carries the cluster's environment (its marker: the
+    cluster's stop ends what is left of it)."""
+    folder = Path(tempfile.mkdtemp(prefix="warm-tasks-"))  # short: a unix socket's path has at most 107 bytes
+    socket_path = str(folder / "socket")
+    env = {**slurm_nodes.env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}  # as the tasks have them
+    server = subprocess.Popen([sys.executable, "-m", "tests.slurm.warm_tasks", socket_path], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        if server.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the warm task server did not start (exit code {server.wait()})")
+        write_client(folder / "warm-python", socket_path, str(REPO))
+        yield str(folder / "warm-python")
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def start(cluster, tmp_path_factory, name: str, *options: str, python: str, step_pause: float = 0.0, overrides=(),
           shape=TWO_NODES) -> Job:  # fmt: skip
     folder = tmp_path_factory.mktemp(name)
-    job_id, run_dir = submit(cluster, folder, name, *options, step_pause=step_pause, overrides=overrides, shape=shape)
+    job_id, run_dir = submit(cluster, folder, name, *options, step_pause=step_pause, overrides=overrides,
+                             shape=shape, python=python)  # fmt: skip
     return Job(job_id, run_dir, folder, name)
 
 
@@ -137,7 +163,7 @@ def lengthen_once_requeued(cluster: SlurmCluster, job_ids: list[int], stop: thre
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm_nodes, tmp_path_factory) -> Iterator[Jobs]:
+def jobs(slurm_nodes, warm_python, tmp_path_factory) -> Iterator[Jobs]:
     """Submitted first: the warned job (whose second node is drained once it runs, so that its re-queued attempt
     must run on another node set), the job whose warning comes too late and the one-node reference. The job that
     meets a read-only directory is submitted by its test, later: 20 tasks starting at once on 2 cores (5 jobs of 4
@@ -145,11 +171,11 @@ def jobs(slurm_nodes, tmp_path_factory) -> Iterator[Jobs]:
     cluster's scancel test. The time-limited jobs' later attempts get RESUMED_TIME_LIMIT_MIN."""
     started = Jobs()
     started.cluster = slurm_nodes
-    started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, step_pause=WARNED_STEP_PAUSE,
-                               overrides=WARNING_ONLY)  # fmt: skip
-    started["own"] = start(slurm_nodes, tmp_path_factory, "own", *LATE_WARNING, step_pause=OWN_STOP_STEP_PAUSE,
-                           overrides=OWN_STOP_MARGIN)  # fmt: skip
-    started["one"] = start(slurm_nodes, tmp_path_factory, "one", shape=ONE_NODE)
+    started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, python=warm_python,
+                               step_pause=WARNED_STEP_PAUSE, overrides=WARNING_ONLY)  # fmt: skip
+    started["own"] = start(slurm_nodes, tmp_path_factory, "own", *LATE_WARNING, python=warm_python,
+                           step_pause=OWN_STOP_STEP_PAUSE, overrides=OWN_STOP_MARGIN)  # fmt: skip
+    started["one"] = start(slurm_nodes, tmp_path_factory, "one", python=warm_python, shape=ONE_NODE)
     running = slurm_nodes.wait(started["limited"].id, states={"RUNNING"}, timeout=120)
     started.drained = expand(slurm_nodes, running["NodeList"])[1]
     slurm_nodes.run("scontrol", "update", f"NodeName={started.drained}", "State=DRAIN", "Reason=dapo-test")
@@ -180,14 +206,20 @@ PEER_TIMEOUT_S = 30
 
 
 def test_a_node_that_dies_mid_step_stops_the_others_in_bounded_time_and_the_job_resumes_elsewhere(
-    slurm_nodes, jobs, tmp_path
+    slurm_nodes, jobs, warm_python, tmp_path
 ):
     """The first node of the allocation dies: the batch script's host, rank 0's (the rendezvous store's, the run
     lock holder's). Its link goes down first, so its peers hear nothing, as from a host that lost power. First in
     this module, beside the jobs started with it (on other nodes); that node stays down."""
     overrides = ["checkpoint.save_interval=3", f"parallel.peer_timeout_s={PEER_TIMEOUT_S}"]
     job_id, run_dir = submit(  # not on READ_ONLY_NODE: a later test needs it alive
-        slurm_nodes, tmp_path, "dies", f"--exclude={READ_ONLY_NODE}", overrides=overrides, shape=TWO_NODES
+        slurm_nodes,
+        tmp_path,
+        "dies",
+        f"--exclude={READ_ONLY_NODE}",
+        overrides=overrides,
+        shape=TWO_NODES,
+        python=warm_python,
     )
     deadline = time.monotonic() + 400
     while not ((run_dir / "metrics.jsonl").exists() and len(rows(run_dir)) >= 7):  # the save of step 6 is done
@@ -261,9 +293,10 @@ def test_torchrun_across_two_hosts_trains_the_recipe_with_the_metrics_of_one_nod
     assert without_timings(rows(run_dir)) == without_timings(rows(jobs.reference()))
 
 
-def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, tmp_path_factory):
+def test_a_problem_of_one_host_is_named_once_with_that_host(slurm_nodes, warm_python, tmp_path_factory):
     overrides = [f"checkpoint.dir={slurm_nodes.read_only_path}/checkpoints"]
-    job = start(slurm_nodes, tmp_path_factory, "ro", f"--nodelist={READ_ONLY_NODE}", overrides=overrides)
+    job = start(slurm_nodes, tmp_path_factory, "ro", f"--nodelist={READ_ONLY_NODE}", python=warm_python,
+                overrides=overrides)  # fmt: skip
     record = slurm_nodes.wait(job.id, timeout=600)  # READ_ONLY_NODE may first end a re-queued attempt there
     out = job_output(job.folder, "ro", job.id)
     assert record["JobState"] == "FAILED" and record["ExitCode"] == "2:0", f"{record}\n{out}"
