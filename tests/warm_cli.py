@@ -2,16 +2,24 @@
 every time.
 
 A short training run of the CLI spends about 7 of its 10 s importing torch, Megatron-Core and transformers
-(tests/README.md). A server process (`python -m tests.warm_cli`) imports them once and then forks one fresh
-process per run. That child becomes the command: `dapo_mcore.cli` executed as `__main__` (as `python -m`
-does), its own argv, environment, working directory, stdin (/dev/null), stdout and stderr (files the client
-reads), a process group of its own, and the interpreter's normal exit (the CLI's SystemExit leaves the
-server's loop: atexit handlers and non-daemon threads run as in any command). Only the imports are shared, and
-the server runs nothing of torch before forking (no thread pool to inherit).
+(tests/README.md). A zygote process (`python -m tests.warm_cli FD`) imports them once per environment and then
+forks the servers, and a server forks one fresh process per run. That child becomes the command: `dapo_mcore.cli`
+executed as `__main__` (as `python -m` does), its own argv, environment, working directory, stdin (/dev/null),
+stdout and stderr (files the client reads), a process group of its own, and the interpreter's normal exit (the
+CLI's SystemExit leaves the server's loop: atexit handlers and non-daemon threads run as in any command). Only the
+imports are shared, and neither the zygote nor a server runs anything of torch before forking (no thread pool to
+inherit).
 
 `run_warm` waits for its run; `start_warm` returns at once with a WarmProcess that tests signal, kill and wait
 for as they would a Popen. A server runs one command at a time: a run started while its server is busy goes to
-another server for the same environment (started on first need).
+another server for the same environment (started on first need). Only the first server of an environment costs
+the imports (about 13 CPU-s): the zygote is started then, and every server, the first one too, is a fork of it.
+The test process holds one end of a socket pair per server and hands the other end to the zygote (SCM_RIGHTS over
+the zygote's control socket, inherited at its start): no socket path to name, clean up or share, and the zygote
+forks one server per socket it receives, which serves it as a line protocol (a JSON request in, {"pid"} and then
+{"returncode", "timed_out"} out). The zygote and each server die with their parent (PR_SET_PDEATHSIG: the zygote
+with the test process, a server with the zygote); the zygote reaps the servers, and a server whose connection
+ends (EOF: the test process is gone, or dropped it) exits. A dead server is replaced, a dead zygote too.
 
 Several ranks (`ranks=N`): the forked child becomes a launcher that forks the N ranks, each with the variables
 of an env:// rendezvous (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as srun's tasks
@@ -22,8 +30,8 @@ each rank saves the 10-12 CPU-s of a fresh interpreter's imports (the suite is C
 torchrun itself (a dead rank named, preflight printed once, its rendezvous across hosts) runs real torchrun.
 
 What is not run warm: runs under a real torchrun (its workers start their own interpreters), the test that is about
-the command's own start and exit, and a run whose environment differs from the server's (a new server is started for
-that environment, since variables are read at import time). On a machine with a GPU nothing is: the preloaded
+the command's own start and exit, and a run whose environment differs from the zygote's (a new zygote is started
+for that environment, since variables are read at import time). On a machine with a GPU nothing is: the preloaded
 imports initialise CUDA there, and torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in forked
 subprocess", seen on an H200), so each run is a fresh `python` (`cold_process`).
 """
@@ -37,6 +45,7 @@ import runpy
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,32 +68,86 @@ PRELOAD = (
 )
 
 
-# ---- the server (python -m tests.warm_cli) ------------------------------------------------------------------
-def serve() -> None:
+# ---- the zygote and its servers (python -m tests.warm_cli FD) ------------------------------------------------
+def die_with_parent() -> None:
+    """SIGKILL when the parent ends, however it ends (PR_SET_PDEATHSIG; a fork does not inherit it, so the runs
+    do not get it). A parent that ended before the call is not waited for."""
     import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def serve() -> None:
+    """The zygote: the imports, then a server forked for each socket the test process sends on the control socket
+    (file descriptor argv[1]); it ends when the test process does (its end of the control socket closed)."""
     import importlib
 
-    # Ends with the test process that started it, however that ends (PR_SET_PDEATHSIG; not inherited by the runs).
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()
     importlib.import_module("matplotlib").use("Agg")  # before pyplot, as dapo_mcore.utils.plot does
     for name in PRELOAD:
         importlib.import_module(name)
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    replies.write("ready\n")
-    for line in sys.stdin:
-        request = json.loads(line)
+    # Not gc.freeze() here (measured on warm 3-step demo runs, medians of 5 and of 10): left frozen, the heap is not
+    # freed at a run's exit (7.2 CPU-s a run, 9.7 without) but triton's nanobind then reports its objects on stderr
+    # as leaked; unfrozen at the exit (atexit), to be freed as in a fresh process, 11.3 CPU-s against 11.2.
+    control = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGCHLD, reap_servers)  # a server's exit interrupts the wait for the next socket
+    control.sendall(b"ready\n")
+    while True:
+        message, fds, _, _ = socket.recv_fds(control, 1, 1)
+        if not message:  # the test process is gone
+            server_exit()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            replies.close()
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server waits for its runs itself
+            serve_connection(socket.socket(fileno=fds[0]))  # a run's SystemExit leaves here: never returns
+        os.close(fds[0])
+
+
+def reap_servers(_signum, _frame) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def serve_connection(connection: socket.socket) -> None:
+    """A server: one run at a time for the requests on `connection`, until the test process closes it."""
+    die_with_parent()
+    requests = connection.makefile("r")
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the run does not hold the connection: the client sees the server's end as its EOF
+            requests.close()
+            connection.close()
             become_the_run(request)  # raises the command's SystemExit out of this loop: never returns here
-        replies.write(json.dumps({"pid": pid}) + "\n")
+        send(connection, {"pid": pid})
         returncode, timed_out = wait_for(pid, request["timeout"])
         if request.get("ranks"):  # what a rank left behind (an engine's or verifier's worker) ends with the launch
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-        replies.write(json.dumps({"returncode": returncode, "timed_out": timed_out}) + "\n")
+        send(connection, {"returncode": returncode, "timed_out": timed_out})
+    server_exit()
+
+
+def send(connection: socket.socket, reply: dict) -> None:
+    try:
+        connection.sendall(json.dumps(reply).encode() + b"\n")
+    except ConnectionError:  # the test process dropped the connection
+        server_exit()
+
+
+def server_exit() -> None:
+    # No atexit handlers: they are the imports' (wandb's deletes the media folder that other servers' runs use), and
+    # the interpreter's teardown would only free the heap that the other servers share.
+    os._exit(0)
 
 
 def become_the_run(request: dict) -> None:
@@ -195,39 +258,84 @@ def wait_for(pid: int, timeout: float) -> tuple[int, bool]:
 
 
 # ---- the client (the test process) ---------------------------------------------------------------------------
-class WarmCli:
-    """One server for one environment, running one command at a time."""
+class Zygote:
+    """The process that imports PRELOAD for one environment and forks its servers."""
 
     def __init__(self, env: dict[str, str], cwd: Path):
-        self.server = subprocess.Popen([sys.executable, "-m", "tests.warm_cli"], cwd=cwd, env=env,
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
-        self._unread = b""
-        if self.reply(timeout=None) != "ready":
-            raise RuntimeError(f"the warm CLI server did not start (exit code {self.server.wait()})")
+        self.control, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen([sys.executable, "-m", "tests.warm_cli", str(theirs.fileno())], cwd=cwd,
+                                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            pass_fds=(theirs.fileno(),))  # fmt: skip
+        with contextlib.suppress(EOFError, ConnectionError):
+            if read_line(self.control.fileno(), bytearray(), timeout=None) == "ready":
+                return
+        raise RuntimeError(f"the warm CLI zygote did not start (exit code {self.process.wait()})")
+
+    def fork_server(self) -> socket.socket:
+        """A new server's connection: its other end goes to the zygote, which forks the server to serve it."""
+        ours, theirs = socket.socketpair()
+        with theirs:
+            socket.send_fds(self.control, [b"s"], [theirs.fileno()])
+        return ours
+
+
+def read_line(fd: int, unread: bytearray, timeout: float | None) -> str | None:
+    """The next line on `fd` (after what is in `unread`, which keeps what follows it), or None when none comes
+    within `timeout` seconds. Read from the socket itself (no buffered reader): select then tells truly whether a
+    line is on its way."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in unread:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise EOFError
+        unread += chunk
+    line, _, rest = bytes(unread).partition(b"\n")
+    unread[:] = rest
+    return line.decode()
+
+
+_zygotes: dict[tuple, Zygote] = {}  # per environment
+
+
+class WarmCli:
+    """One server for one environment, running one command at a time: forked from the environment's zygote (the
+    zygote is started first when there is none, or it died)."""
+
+    def __init__(self, env: dict[str, str], cwd: Path):
+        key = tuple(sorted(env.items()))
+        zygote = _zygotes.get(key)
+        if zygote is None or zygote.process.poll() is not None:
+            zygote = _zygotes[key] = Zygote(env, cwd)
+        self.zygote, self.connection, self._unread = zygote, zygote.fork_server(), bytearray()
+
+    def alive(self) -> bool:
+        """False once the server has ended: its end of the connection closed (no run holds it)."""
+        if not select.select([self.connection], [], [], 0)[0]:
+            return True
+        with contextlib.suppress(ConnectionError):
+            return self.connection.recv(1, socket.MSG_PEEK) != b""
+        return False
 
     def reply(self, timeout: float | None) -> str | None:
-        """The server's next line, or None when none comes within `timeout` seconds. Read from the pipe itself
-        (no buffered reader): select then tells truly whether a line is on its way."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        fd = self.server.stdout.fileno()
-        while b"\n" not in self._unread:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"the warm CLI server ended (exit code {self.server.wait()})")
-            self._unread += chunk
-        line, self._unread = self._unread.split(b"\n", 1)
-        return line.decode()
+        """The server's next line, or None when none comes within `timeout` seconds."""
+        try:
+            return read_line(self.connection.fileno(), self._unread, timeout)
+        except (EOFError, ConnectionError):
+            code = self.zygote.process.poll()
+            zygote = "" if code is None else f" (its zygote too: exit code {code})"
+            raise RuntimeError(f"the warm CLI server ended{zygote}") from None
 
     def start(self, argv: list[str], cwd: Path, timeout: float, env: dict[str, str], script=None,
               ranks: int = 0) -> WarmProcess:  # fmt: skip
         out_dir = Path(tempfile.mkdtemp(prefix="warm-run-"))  # the run's stdout and stderr files
         request = dict(argv=argv, cwd=str(cwd), env=env, timeout=timeout, script=str(script) if script else None,
                        stdout=str(out_dir / "stdout"), stderr=str(out_dir / "stderr"), ranks=ranks)  # fmt: skip
-        self.server.stdin.write((json.dumps(request) + "\n").encode())
-        self.server.stdin.flush()
+        with contextlib.suppress(ConnectionError):  # the server is gone: reply says so
+            self.connection.sendall((json.dumps(request) + "\n").encode())
         pid = json.loads(self.reply(timeout=None))["pid"]
         proc = WarmProcess(self, command(argv, script, ranks, env), pid, out_dir)
         _running.add(proc)
@@ -294,7 +402,7 @@ _servers: dict[tuple, list[WarmCli]] = {}  # per environment (few: the CLI's and
 def cli_env() -> dict[str, str]:
     """The environment of the tests' CLI runs: one thread each (runs share the 2 cores), no warnings, the
     repository importable (the dist tier's scripts import tests.*): one environment, so one set of warm servers,
-    for the CLI's runs and the scripts' (a server costs about 14 CPU-s to start)."""
+    for the CLI's runs and the scripts' (its zygote costs about 13 CPU-s to start; its servers are forks)."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
 
@@ -339,8 +447,11 @@ def start_warm(argv: list, env: dict[str, str], timeout: float, script=None, cwd
         return cold_process(argv, env, script, cwd, ranks)
     server_env = {k: v for k, v in env.items() if k not in PER_CALL_VARIABLES}
     servers = _servers.setdefault(tuple(sorted(server_env.items())), [])
-    servers[:] = [s for s in servers if s.server.poll() is None]  # a dead server is replaced
     busy = {proc._server for proc in _running}
+    for dead in [s for s in servers if not s.alive()]:  # a dead server is replaced
+        servers.remove(dead)
+        if dead not in busy:  # a run still waited for reads its connection to the end (its server ended)
+            dead.connection.close()
     server = next((s for s in servers if s not in busy), None)
     if server is None:
         server = WarmCli(server_env, REPO)  # each run goes to its own cwd

@@ -1,11 +1,17 @@
-"""The tests' warm runner (tests/warm_cli.py): several ranks forked as torchrun would start them; on a GPU machine no
+"""The tests' warm runner (tests/warm_cli.py): a second server for an environment forked from its zygote (not a
+fresh interpreter), a dead server replaced; several ranks forked as torchrun would start them; on a GPU machine no
 fork (CUDA refuses a forked child), each run a fresh interpreter (torchrun for ranks) with the same argv,
 environment, working directory and result."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from tests import warm_cli
 from tests.conftest import free_port
@@ -69,3 +75,59 @@ def test_on_a_gpu_machine_ranks_are_started_by_torchrun(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr
     assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("rank ")) == ["0", "1"]
     assert f"--master_port={env['MASTER_PORT']}" in proc.args
+
+
+SERVER_PROBE = """import os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as out:
+    out.write(str(os.getppid()))  # the run's parent: its server
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def parent_and_cpu(pid: int) -> tuple[int, float]:
+    """A process's parent and the CPU seconds it has used itself (/proc/PID/stat's ppid, utime and stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def servers_of(runs: list, files: list[Path]) -> list[int]:
+    deadline = time.monotonic() + 240
+    while not all(f.exists() for f in files):
+        assert all(run.poll() is None for run in runs) and time.monotonic() < deadline, [r.communicate() for r in runs]
+        time.sleep(0.1)
+    return [int(f.read_text()) for f in files]
+
+
+def test_a_second_server_for_an_environment_is_a_fork_of_the_zygote_and_a_dead_one_is_replaced(tmp_path):
+    if warm_cli.forking_is_unsafe():
+        pytest.skip("a GPU machine runs no server")
+    script = tmp_path / "server_of.py"
+    script.write_text(SERVER_PROBE)
+    files = [tmp_path / "server-0", tmp_path / "server-1"]
+    # two runs at once: two servers for the environment
+    runs = [warm_cli.start_warm([f, 600], warm_cli.cli_env(), 300, script=script, cwd=tmp_path) for f in files]
+    try:
+        servers = servers_of(runs, files)
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait(timeout=60)
+    assert servers[0] != servers[1]
+    (zygote, first_cpu), (other_zygote, second_cpu) = map(parent_and_cpu, servers)
+    # a fresh interpreter would be this process's child, and would have spent 10+ CPU-s on the imports
+    assert zygote == other_zygote != os.getpid()
+    assert parent_and_cpu(zygote)[0] == os.getpid()
+    assert first_cpu < 2.0 and second_cpu < 2.0, (first_cpu, second_cpu)
+    assert parent_and_cpu(zygote)[1] > 5.0
+
+    os.kill(servers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{servers[0]}").exists():  # reaped by the zygote: no zombie left
+        assert time.monotonic() < deadline, Path(f"/proc/{servers[0]}/stat").read_text()
+        time.sleep(0.05)
+    for i in range(2):  # the dead one's place is taken by a new server, forked from the same zygote
+        proc = warm_cli.run_warm([tmp_path / f"again-{i}", 0], warm_cli.cli_env(), 300, script=script, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        server = int((tmp_path / f"again-{i}").read_text())
+        assert server != servers[0] and parent_and_cpu(server)[0] == zygote
