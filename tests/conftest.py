@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_cli  # first: it keeps the environment as the test process started (warm_cli.cli_env)
+
 REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "dist", "gpu", "e2e", "engines", "faults", "slurm")
 
@@ -111,9 +113,7 @@ def pytest_collection_modifyitems(config, items):
 def _no_run_left_behind():
     """A run a test started on a warm server and did not wait for (the test failed first) is killed after it."""
     yield
-    from tests.warm_cli import end_leftover_runs
-
-    end_leftover_runs()
+    warm_cli.end_leftover_runs()
 
 
 def free_port() -> int:

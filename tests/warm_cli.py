@@ -399,11 +399,20 @@ def end_leftover_runs() -> None:
 _servers: dict[tuple, list[WarmCli]] = {}  # per environment (few: the CLI's and the torchrun workers')
 
 
+# The test process's environment as it started (tests/conftest.py imports this module first). What tests run in
+# their own process sets variables in os.environ as it goes: vLLM a dozen (VLLM_DIST_IDENT, new for each engine;
+# LD_PRELOAD), Transformer Engine its NVTE_* choices, torch's inductor its cache folder. Passed on, they made each
+# later run's environment another one (a new server: about 13 CPU-s; 5 in a suite's first 15 minutes) and reached runs
+# that never asked for them.
+START_ENVIRON = dict(os.environ)
+
+
 def cli_env() -> dict[str, str]:
-    """The environment of the tests' CLI runs: one thread each (runs share the 2 cores), no warnings, the
-    repository importable (the dist tier's scripts import tests.*): one environment, so one set of warm servers,
-    for the CLI's runs and the scripts' (its zygote costs about 13 CPU-s to start; its servers are forks)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    """The environment of the tests' CLI runs: the test process's as it started, one thread each (runs share the 2
+    cores), no warnings, the repository importable (the dist tier's scripts import tests.*): one environment, so one
+    set of warm servers, for the CLI's runs and the scripts' (its zygote costs about 13 CPU-s to start; its servers
+    are forks)."""
+    return {**START_ENVIRON, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
 
 
 # Set per call (by pytest for each test phase, or a one-process world's rendezvous); the child gets the caller's

@@ -131,3 +131,11 @@ def test_a_second_server_for_an_environment_is_a_fork_of_the_zygote_and_a_dead_o
         assert proc.returncode == 0, proc.stderr
         server = int((tmp_path / f"again-{i}").read_text())
         assert server != servers[0] and parent_and_cpu(server)[0] == zygote
+
+
+def test_variables_set_in_the_test_process_after_it_started_do_not_reach_the_runs(monkeypatch):
+    """vLLM, run in a test's own process, sets VLLM_DIST_IDENT anew for each engine (and a dozen more): each change
+    made another environment, so another warm server, and reached runs that never asked for it."""
+    monkeypatch.setenv("VLLM_DIST_IDENT", "vllm_dist_0123")
+    env = warm_cli.cli_env()
+    assert "VLLM_DIST_IDENT" not in env and env["PATH"] == os.environ["PATH"] and env["OMP_NUM_THREADS"] == "1"
