@@ -83,12 +83,8 @@ def die_with_parent() -> None:
 def serve() -> None:
     """The zygote: the imports, then a server forked for each socket the test process sends on the control socket
     (file descriptor argv[1]); it ends when the test process does (its end of the control socket closed)."""
-    import importlib
-
     die_with_parent()
-    importlib.import_module("matplotlib").use("Agg")  # before pyplot, as dapo_mcore.utils.plot does
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload()
     # Not gc.freeze() here (measured on warm 3-step demo runs, medians of 5 and of 10): left frozen, the heap is not
     # freed at a run's exit (7.2 CPU-s a run, 9.7 without) but triton's nanobind then reports its objects on stderr
     # as leaked; unfrozen at the exit (atexit), to be freed as in a fresh process, 11.3 CPU-s against 11.2.
@@ -107,6 +103,14 @@ def serve() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server waits for its runs itself
             serve_connection(socket.socket(fileno=fds[0]))  # a run's SystemExit leaves here: never returns
         os.close(fds[0])
+
+
+def preload() -> None:
+    import importlib
+
+    importlib.import_module("matplotlib").use("Agg")  # before pyplot, as dapo_mcore.utils.plot does
+    for name in PRELOAD:
+        importlib.import_module(name)
 
 
 def reap_servers(_signum, _frame) -> None:
@@ -161,14 +165,18 @@ def become_the_run(request: dict) -> None:
         target = os.open(path, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    # wandb makes its media folder (tables) when imported, and deletes it when its process exits; Megatron-Core
-    # imports wandb, so the server's folder is every run's, and the run before this one deleted it
-    wandb_media = sys.modules.get("wandb.sdk.data_types._private")
-    if wandb_media is not None:
-        os.makedirs(wandb_media.MEDIA_TMP.name, exist_ok=True)
+    restore_wandb_media_folder()
     if request.get("ranks"):
         os._exit(launch_ranks(request))
     run_command(request)
+
+
+def restore_wandb_media_folder() -> None:
+    """wandb makes its media folder (tables) when imported, and deletes it when its process exits; Megatron-Core
+    imports wandb, so the server's folder is every run's, and the run before this one deleted it."""
+    wandb_media = sys.modules.get("wandb.sdk.data_types._private")
+    if wandb_media is not None:
+        os.makedirs(wandb_media.MEDIA_TMP.name, exist_ok=True)
 
 
 def run_command(request: dict) -> None:

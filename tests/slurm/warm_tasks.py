@@ -68,6 +68,8 @@ def write_client(path, socket_path: str, repo: str) -> None:
 def serve(socket_path: str) -> None:
     import ctypes
 
+    from tests.warm_cli import preload
+
     # Ends with the test process that started it (PR_SET_PDEATHSIG; not inherited by the supervisors).
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     preload()
@@ -133,27 +135,10 @@ def end_group(pid: int, signum: int = signal.SIGKILL) -> None:
         os.killpg(pid, signum)
 
 
-def preload() -> None:
-    import importlib
-
-    from tests.warm_cli import PRELOAD
-
-    importlib.import_module("matplotlib").use("Agg")  # before pyplot, as dapo_mcore.utils.plot does
-    for name in PRELOAD:
-        importlib.import_module(name)
-
-
-def wandb_media_folder() -> None:
-    """wandb's media folder, made at its import in the server and deleted by the first run that exits."""
-    media = sys.modules.get("wandb.sdk.data_types._private")
-    if media is not None:
-        os.makedirs(media.MEDIA_TMP.name, exist_ok=True)
-
-
 def become_the_task(request: dict, fds: list[int]) -> None:
     import ctypes
 
-    from tests.warm_cli import run_command
+    from tests.warm_cli import restore_wandb_media_folder, run_command
 
     os.setsid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -167,7 +152,7 @@ def become_the_task(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])  # after the mount namespace, which set it to that namespace's root
     os.environ.clear()
     os.environ.update(request["env"])
-    wandb_media_folder()
+    restore_wandb_media_folder()
     run_command({"argv": request["argv"]})
 
 
