@@ -165,21 +165,23 @@ def become_the_run(request: dict) -> None:
         target = os.open(path, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    restore_wandb_media_folder()
     if request.get("ranks"):
         os._exit(launch_ranks(request))
     run_command(request)
 
 
-def restore_wandb_media_folder() -> None:
-    """wandb makes its media folder (tables) when imported, and deletes it when its process exits; Megatron-Core
-    imports wandb, so the server's folder is every run's, and the run before this one deleted it."""
+def own_wandb_media_folder() -> None:
+    """wandb makes its media folder (tables) when imported, and deletes it when its process exits. Megatron-Core
+    imports wandb, so every run forked from a zygote would write to the zygote's folder, and the first run to exit
+    would delete it under the others (a suite run: a refused run's exit failed the live run's next table). Each run
+    and rank gets a folder of its own (every wandb media type reads MEDIA_TMP.name; its exit deletes that one)."""
     wandb_media = sys.modules.get("wandb.sdk.data_types._private")
     if wandb_media is not None:
-        os.makedirs(wandb_media.MEDIA_TMP.name, exist_ok=True)
+        wandb_media.MEDIA_TMP.name = tempfile.mkdtemp("wandb-media")
 
 
 def run_command(request: dict) -> None:
+    own_wandb_media_folder()
     script = request.get("script")
     if script:  # python SCRIPT ARGS: the script's folder first on sys.path, as python puts it
         sys.argv = [script, *request["argv"]]

@@ -138,7 +138,7 @@ def end_group(pid: int, signum: int = signal.SIGKILL) -> None:
 def become_the_task(request: dict, fds: list[int]) -> None:
     import ctypes
 
-    from tests.warm_cli import restore_wandb_media_folder, run_command
+    from tests.warm_cli import run_command
 
     os.setsid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -152,7 +152,6 @@ def become_the_task(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])  # after the mount namespace, which set it to that namespace's root
     os.environ.clear()
     os.environ.update(request["env"])
-    restore_wandb_media_folder()
     run_command({"argv": request["argv"]})
 
 

@@ -91,12 +91,13 @@ def parent_and_cpu(pid: int) -> tuple[int, float]:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def servers_of(runs: list, files: list[Path]) -> list[int]:
+def written_by(runs: list, files: list[Path]) -> list[str]:
+    """What the running `runs` wrote to `files`, once every file is there."""
     deadline = time.monotonic() + 240
     while not all(f.exists() for f in files):
         assert all(run.poll() is None for run in runs) and time.monotonic() < deadline, [r.communicate() for r in runs]
         time.sleep(0.1)
-    return [int(f.read_text()) for f in files]
+    return [f.read_text() for f in files]
 
 
 def test_a_second_server_for_an_environment_is_a_fork_of_the_zygote_and_a_dead_one_is_replaced(tmp_path):
@@ -108,18 +109,18 @@ def test_a_second_server_for_an_environment_is_a_fork_of_the_zygote_and_a_dead_o
     # two runs at once: two servers for the environment
     runs = [warm_cli.start_warm([f, 600], warm_cli.cli_env(), 300, script=script, cwd=tmp_path) for f in files]
     try:
-        servers = servers_of(runs, files)
+        servers = [int(text) for text in written_by(runs, files)]
     finally:
         for run in runs:
             run.kill()
             run.wait(timeout=60)
     assert servers[0] != servers[1]
-    (zygote, first_cpu), (other_zygote, second_cpu) = map(parent_and_cpu, servers)
-    # a fresh interpreter would be this process's child, and would have spent 10+ CPU-s on the imports
+    (zygote, _), (other_zygote, _) = map(parent_and_cpu, servers)
+    # a fresh interpreter would be this process's child. (Not the servers' CPU: in a suite they are the worker's,
+    # and each fork of a run costs its server some; one had 3 CPU-s there.)
     assert zygote == other_zygote != os.getpid()
     assert parent_and_cpu(zygote)[0] == os.getpid()
-    assert first_cpu < 2.0 and second_cpu < 2.0, (first_cpu, second_cpu)
-    assert parent_and_cpu(zygote)[1] > 5.0
+    assert parent_and_cpu(zygote)[1] > 5.0  # the zygote paid the imports
 
     os.kill(servers[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -139,3 +140,27 @@ def test_variables_set_in_the_test_process_after_it_started_do_not_reach_the_run
     monkeypatch.setenv("VLLM_DIST_IDENT", "vllm_dist_0123")
     env = warm_cli.cli_env()
     assert "VLLM_DIST_IDENT" not in env and env["PATH"] == os.environ["PATH"] and env["OMP_NUM_THREADS"] == "1"
+
+
+MEDIA_PROBE = """import sys, time
+from pathlib import Path
+from wandb.sdk.data_types._private import MEDIA_TMP
+Path(sys.argv[1]).write_text(MEDIA_TMP.name)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_runs_at_once_have_wandb_media_folders_of_their_own(tmp_path):
+    """wandb deletes its media folder when its process exits: a shared one was deleted under a live run (a suite run:
+    the run refused by the run lock took the live run's folder with it)."""
+    script = tmp_path / "media_of.py"
+    script.write_text(MEDIA_PROBE)
+    files = [tmp_path / "media-0", tmp_path / "media-1"]
+    runs = [warm_cli.start_warm([f, 600], warm_cli.cli_env(), 300, script=script, cwd=tmp_path) for f in files]
+    try:
+        folders = written_by(runs, files)
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait(timeout=60)
+    assert folders[0] != folders[1]
