@@ -85,7 +85,7 @@ def serve(socket_path: str) -> None:
         if os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the supervisor waits for its run
             listener.close()
-            supervise(conn)  # the run's SystemExit leaves this loop in the run's process; the supervisor exits
+            supervise(conn)
             os._exit(0)
         conn.close()
 
@@ -100,7 +100,7 @@ def supervise(conn: socket.socket) -> None:
     pid = os.fork()
     if pid == 0:
         conn.close()
-        become_the_task(request, fds)  # raises the command's SystemExit: never returns here
+        become_the_task(request, fds)  # exits with the command's code: never returns here
     for fd in fds:  # the run holds the task's streams now: srun sees their end when the run ends
         os.close(fd)
     code = wait_for_run(conn, pid)
