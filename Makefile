@@ -58,7 +58,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-# pytest-xdist workers: the Slurm tier's multi-node module, the longest unit (about 12 min), mostly waits on
+# pytest-xdist workers: the Slurm tier's multi-node module, the longest unit (about 5 min), mostly waits on
 # slurmctld's timers, and 3 workers keep a 2-core machine busy meanwhile. Modules that share an expensive fixture
 # run whole on one worker (tests/conftest.py). TEST_WORKERS=0: one process. PYTEST_CPU=1: each test's CPU seconds,
 # its processes' included, to $DAPO_TEST_CPU_LOG (tests/cpu_accounting.py; the suite is CPU-bound on 2 cores).
