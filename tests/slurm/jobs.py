@@ -3,11 +3,14 @@ the batch script submitted with it, and reading a run's metrics and a job's outp
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 # The jobs have 2 tasks (DP 2). At 4 tasks (TP 2 x DP 2), as they were, the demo recipe trained 0.6-0.8 s a step here,
 # after 25-45 s of start-up (4 processes importing torch and Megatron-Core on 2 cores), and 60-90 s beside the heaviest
@@ -49,6 +52,27 @@ RECIPE = [
 CPU_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--gres=none"]
 
 
+# A job's rendezvous port (MASTER_PORT), below the kernel's ephemeral range (32768-60999): ports from there (as
+# free_port gives) are also what a node's own connections take, slurmstepd's and gloo's, and a job's store once
+# failed to listen on one (EADDRINUSE on node8, whose previous job had just ended). Each pytest worker has its own
+# hundred, each job a port of its own.
+_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_job_ports = itertools.count(21000 + 100 * _worker)
+
+
+def job_master_port() -> int:
+    """The next port of this worker's hundred that is free here (the one-node cluster's jobs run in this machine's
+    own network)."""
+    for port in _job_ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("unreachable: the count is endless")
+
+
 def submit(
     cluster,
     tmp_path: Path,
@@ -63,7 +87,7 @@ def submit(
     nodes and tasks) + `options`, its tasks run by `python` (the script's DAPO_PYTHON); the job id and the run
     directory. Task logs go to <tmp_path>/logs/<name>-<id>/."""
     run_dir = tmp_path / name
-    env = {"DAPO_PYTHON": python, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(free_port()),
+    env = {"DAPO_PYTHON": python, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(job_master_port()),
            "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause)}  # fmt: skip
     job_id = cluster.submit(
         REPO / "slurm/train.sbatch",
