@@ -66,12 +66,9 @@ def write_client(path, socket_path: str, repo: str) -> None:
 
 # ---- the server (python -m tests.slurm.warm_tasks SOCKET) -------------------------------------------------------
 def serve(socket_path: str) -> None:
-    import ctypes
+    from tests.warm_cli import die_with_parent, preload
 
-    from tests.warm_cli import preload
-
-    # Ends with the test process that started it (PR_SET_PDEATHSIG; not inherited by the supervisors).
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()  # with the test process that started it; the supervisors do not inherit it
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
