@@ -57,7 +57,7 @@ from dapo_mcore.parallel import (
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
-from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unavailable
+from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unavailable, run_instance_id
 from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
@@ -420,6 +420,7 @@ def engine_settings(cfg: RunConfig, ctx: ParallelContext, routing: bool = False)
         placement=placement,
         return_routed_experts=routing,
         engine_log=cfg.logging.engine_log,
+        instance_id=run_instance_id(run_dir_of(cfg)),
     )
 
 

