@@ -143,4 +143,14 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # someone else's process
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A killed process whose parent has not yet reaped it (a SIGKILLed run's ranks, until init collects them)
+    still answers kill(pid, 0), though it runs nothing and holds no lock."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].startswith("Z")

@@ -1,39 +1,76 @@
 """vLLM at engine TP=2 inside an SPMD program on the CPU (gloo): the engine's shards across two ranks decode
-as the whole model does, and a training run with rollout.engine_tp_size=2 completes."""
+as the whole model does, and a training run with rollout.engine_tp_size=2 completes. The engine's ranks
+all-reduce through shared memory named after the run (rollout/vllm_compat.py): two jobs on one host at once both
+start, and a run whose earlier attempt was killed with its engine up starts again."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from dapo_mcore.rollout.base import EngineSettings, SamplingParams
+from dapo_mcore.rollout.base import EngineSettings, SamplingParams, run_instance_id
 from dapo_mcore.rollout.registry import create_engine
-from tests.conftest import REPO, run_torchrun
+from tests.conftest import REPO, free_port, run_torchrun
 from tests.engines.test_engine_contract import MODEL, PROMPTS
+from tests.warm_cli import cli_env, start_warm
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
-def test_engine_tp2_after_a_push_decodes_as_the_whole_model(tmp_path):
-    run_torchrun(REPO / "tests/dist/workers/vllm_engine_tp.py", 2, str(MODEL), str(tmp_path / "greedy"))
-    ranks = [torch.load(tmp_path / f"greedy.{rank}.pt")["greedy"] for rank in range(2)]
+WORKER = REPO / "tests/dist/workers/vllm_engine_tp.py"
+SHM = Path("/dev/shm")
+
+
+def test_two_engine_tp2_jobs_at_once_both_start_and_decode_as_the_whole_model(tmp_path):
+    """Both jobs' engines at once on this host: before, both named their shared memory after "env://" and the
+    second failed "create shm in SHMManager failed. errno: 17"."""
+    jobs = [start_ranks([str(MODEL), str(tmp_path / f"job{i}")], WORKER, timeout=400) for i in range(2)]
+    for job in jobs:
+        out, err = job.communicate()
+        assert job.returncode == 0, out[-3000:] + err[-6000:]
     reference = create_engine("hf", EngineSettings(model_path=str(MODEL)))
     tokenizer = reference.inner.tokenizer
     ids = [tokenizer(p).input_ids for p in PROMPTS]
     greedy = reference.generate(ids, SamplingParams(n=1, temperature=0.0, max_new_tokens=24))
     want = [g[0].token_ids.tolist() for g in greedy]
-    assert ranks[0] == ranks[1] == want
+    for i in range(2):
+        assert [torch.load(tmp_path / f"job{i}.{rank}.pt")["greedy"] for rank in range(2)] == [want, want]
 
 
-def test_training_with_engine_tp2_splits_prompts_over_replicas_and_completes(tmp_path):
-    rows = train_at_engine_tp2(tmp_path / "run")
+def start_ranks(args: list[str], script: Path | None, timeout: int):
+    """torchrun --nproc_per_node 2 [SCRIPT | -m dapo_mcore.cli] ARGS, not waited for (ranks forked from a warm server,
+    a rendezvous port of its own)."""
+    return start_warm(args, {**cli_env(), "MASTER_PORT": str(free_port())}, timeout, script=script, ranks=2)
+
+
+def run_segments(run_dir: Path) -> list[Path]:
+    return sorted(SHM.glob(f"{run_instance_id(run_dir)}-*"))
+
+
+def test_training_with_engine_tp2_completes_after_an_attempt_killed_with_its_engine_up(tmp_path):
+    """A SIGKILL leaves the engine's shared-memory segments behind (no teardown runs); the run's next attempt
+    removes the ones of its own name and trains. Before, every later engine-TP-2 start on the host failed."""
+    run_dir = tmp_path / "run"
+    attempt = start_ranks(["train", *TP2_RUN, "trainer.steps=50", f"logging.run_dir={run_dir}"], None, timeout=400)
+    deadline = time.monotonic() + 300
+    while len(run_segments(run_dir)) < 2 and attempt.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(attempt.pid, signal.SIGKILL)
+    attempt.wait(timeout=60)
+    assert len(run_segments(run_dir)) == 2, attempt.communicate()[1][-4000:]  # one per rank, left behind
+    rows = train_at_engine_tp2(run_dir, "checkpoint.resume=auto")
     assert [r["step"] for r in rows] == [1, 2]
     # Both ranks of the engine group sent the same prompts (else the SPMD engine hangs or mixes them up), and
     # its answers' log-probs are the actor's.
     assert all(r["rollout/generated_samples"] > 0 and r["mismatch/abs_logp_diff_max"] < 1e-4 for r in rows)
+    assert run_segments(run_dir) == []  # an engine shut down removes its own
 
 
 def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_verifiers_disagree(tmp_path):
@@ -59,24 +96,21 @@ def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_veri
 def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[dict]:
     """A 2-step demo run on two processes, one vLLM engine at TP 2 across them, 4 prompts x 8 answers a step (the
     demo's 16 cost each rank 7 s of generation in the first step); its metrics rows."""
-    run_torchrun(
-        REPO / "dapo_mcore/cli.py",
-        2,
-        "train",
-        str(REPO / "examples/smoke_cpu.yaml"),
-        "rollout.engine=vllm",
-        "rollout.engine_tp_size=2",
-        "trainer.steps=2",
-        "rollout.prompts_per_step=4",
-        "rollout.gen_prompts_per_round=4",
-        "trainer.mini_batch_size=16",
-        "trainer.micro_batch_size=16",
-        "checkpoint.save_interval=0",
-        "logging.wandb.mode=disabled",
-        "logging.plot=false",
-        "logging.progress=false",
-        f"logging.run_dir={run_dir}",
-        *overrides,
-        timeout=timeout,
-    )
+    args = ("train", *TP2_RUN, "trainer.steps=2", f"logging.run_dir={run_dir}", *overrides)
+    run_torchrun(REPO / "dapo_mcore/cli.py", 2, *args, timeout=timeout)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+TP2_RUN = (
+    str(REPO / "examples/smoke_cpu.yaml"),
+    "rollout.engine=vllm",
+    "rollout.engine_tp_size=2",
+    "rollout.prompts_per_step=4",
+    "rollout.gen_prompts_per_round=4",
+    "trainer.mini_batch_size=16",
+    "trainer.micro_batch_size=16",
+    "checkpoint.save_interval=0",
+    "logging.wandb.mode=disabled",
+    "logging.plot=false",
+    "logging.progress=false",
+)

@@ -56,6 +56,26 @@ def test_a_dead_holder_on_this_host_is_taken_over(tmp_path, caplog):
     lock.release()
 
 
+def test_a_killed_holder_not_yet_reaped_is_taken_over(tmp_path, caplog):
+    """A SIGKILLed run's ranks stay zombies until their new parent reaps them: they answer kill(pid, 0), but hold
+    nothing. Seen when an engine-TP-2 run was killed and its next attempt started at once."""
+    import socket
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{zombie.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        write_lock(tmp_path / "run", socket.gethostname(), zombie.pid)
+        lock = RunLock(tmp_path / "run")
+        lock.acquire()
+        assert "is gone" in caplog.text
+        lock.release()
+    finally:
+        zombie.wait()
+
+
 def test_another_hosts_lock_is_taken_over_only_when_its_heartbeat_is_stale(tmp_path, caplog):
     write_lock(tmp_path / "run", "node-17", 4242, age_s=10)
     with pytest.raises(RunLockError, match="pid 4242 on host node-17"):
