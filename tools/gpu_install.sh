@@ -10,10 +10,21 @@
 #                                           kept from an earlier machine with the same torch, by "te-keep")
 #   bash tools/gpu_install.sh te-wait [S]   wait up to S seconds (default 540) for that build, then import TE
 #   bash tools/gpu_install.sh te-keep DIR   pack the built transformer_engine_torch into DIR (e.g. $OUT)
+#   bash tools/gpu_install.sh vllm-stage    copy the carried .vllm<N>/ and .vdeps<N>/ folders' files into
+#                                           /tmp/vllm-chunks (the dependency wheels into its deps/), one per call
+#   bash tools/gpu_install.sh vllm          reassemble the vLLM wheel from its parts in numeric order, check the
+#                                           parts, the wheel and the dependency wheels against SHA256SUMS, install
+#                                           them all into python (pip, no index, no dependencies), print vLLM's
+#                                           version
+# vLLM goes into python's own site-packages with pip rather than into a folder on PYTHONPATH: each later call is
+# a fresh shell, and every one of them (tools/gpu_check.sh, torchrun's ranks, vLLM's own worker processes) would
+# need that variable; pip also puts a wheel's .data files where they belong and writes the `vllm` command.
+# DAPO_VLLM_CHUNKS replaces /tmp/vllm-chunks (the tests use it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
 chunks=/tmp/te-chunks
+vchunks=${DAPO_VLLM_CHUNKS:-/tmp/vllm-chunks}
 pip_install() { "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@"; }
 
 case "${1:-}" in
@@ -60,8 +71,35 @@ te-keep)
     $(cut -d, -f1 transformer_engine_torch-"$te".dist-info/RECORD))
   ls -la "$2"
   ;;
+vllm-stage)
+  set -e
+  shopt -s nullglob
+  mkdir -p "$vchunks/deps"
+  for f in .vllm[0-9]*/*; do cp "$f" "$vchunks/"; done
+  for f in .vdeps[0-9]*/*; do cp "$f" "$vchunks/deps/"; done
+  ls -la "$vchunks" "$vchunks/deps" | grep -v ' \.\.\?$'
+  ;;
+vllm)
+  set -e
+  shopt -s nullglob
+  [[ -f "$vchunks/SHA256SUMS" ]] || { echo "vllm: no $vchunks/SHA256SUMS: stage .vllm1/ first (vllm-stage)"; exit 1; }
+  wheel=$(awk '$2 ~ /^vllm-.*[.]whl$/ {print $2}' "$vchunks/SHA256SUMS")
+  parts=("$vchunks/$wheel".part*)
+  ((${#parts[@]})) || { echo "vllm: no part of $wheel in $vchunks: stage the .vllm<N>/ folders (vllm-stage)"; exit 1; }
+  cat $(printf '%s\n' "${parts[@]}" | sort -V) >"$vchunks/$wheel"
+  # every part, the wheel they make and each dependency wheel, so that a damaged or missing one is named
+  if ! failed=$(cd "$vchunks" && sha256sum --quiet -c SHA256SUMS 2>&1); then
+    echo "vllm: sha256 checksums do not match $vchunks/SHA256SUMS (carry the named files again):"
+    echo "$failed" | sed 's/^/  /'
+    rm -f "$vchunks/$wheel"
+    exit 1
+  fi
+  echo "vllm: $wheel and $(grep -c '  deps/' "$vchunks/SHA256SUMS") dependency wheels match SHA256SUMS"
+  pip_install "$vchunks/$wheel" "$vchunks"/deps/*.whl
+  "$py" -c "import vllm; print('vllm', vllm.__version__, 'in', vllm.__path__[0])"
+  ;;
 *)
-  sed -n 2,13p "$0"
+  sed -n 2,22p "$0"
   exit 2
   ;;
 esac
