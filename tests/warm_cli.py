@@ -461,7 +461,14 @@ def cli_env() -> dict[str, str]:
     cores), no warnings, the repository importable (the dist tier's scripts import tests.*): one environment, so one
     set of warm servers, for the CLI's runs and the scripts' (its zygote costs about 13 CPU-s to start; its servers
     are forks)."""
-    return {**START_ENVIRON, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    return {**START_ENVIRON, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": repo_first_on_path(START_ENVIRON)}  # fmt: skip
+
+
+def repo_first_on_path(environ: dict[str, str]) -> str:
+    """PYTHONPATH for a test's child process: the repository, then what `environ` had there (a GPU machine without
+    network has megatron-core or vLLM unpacked into a folder on it; replacing it lost them)."""
+    return os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
 
 
 # Set per call (by pytest for each test phase, or a one-process world's rendezvous); the child gets the caller's

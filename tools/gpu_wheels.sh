@@ -18,8 +18,8 @@
 # --te and --vllm combine. DAPO_CHUNK_BYTES (default 60000000) caps each .vllm<N>/ and .vdeps<N>/ folder: with
 # the checkout (about 5 MB, printed at the end) one folder a call stays under the 64 MiB.
 #
-# Every folder must be ignored by git, or it travels with each call: .whl/, .vllm*/ and .vdeps*/ are in
-# .gitignore; add /.te*/ to .git/info/exclude. Name the folder a call needs in its carry.
+# Every folder must be ignored by git, or it travels with each call: .whl/, .te*/, .vllm*/ and .vdeps*/ are in
+# .gitignore. Name the folder a call needs in its carry.
 set -euo pipefail
 here=$PWD
 cd "$(dirname "$0")/.."

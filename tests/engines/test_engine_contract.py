@@ -28,6 +28,7 @@ from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.utils.errors import CheckpointError, ConfigError
 from dapo_mcore.weight_sync.verify import checksums, verified
 from tests.conftest import REPO, free_port, run_torchrun
+from tests.warm_cli import repo_first_on_path
 
 # The demo model: trained, so its next-token choices are decisive and greedy decoding is well defined.
 MODEL = REPO / "examples/models/tiny-arith"
@@ -37,6 +38,10 @@ PROMPTS = ["What is 3+4?\n", "What is 17+25?\n", "What is 29+0?\n"]
 MAX_NEW = 24
 # A stopped round (generate_answers): its first answer's budget, whose end stops the round.
 STOP_AFTER = 5
+
+# The GPU memory share of each engine the contract starts on CUDA: the module's engine and a second one (the tied
+# and MoE cases) must fit together, and vLLM refuses a start whose free memory is below its share.
+CUDA_MEMORY_SHARE = 0.3
 
 # Set by tests/engines/test_sglang_cpu.py, which runs this module inside SGLang's CPU test environment.
 SGLANG_CPU_ENV = "DAPO_SGLANG_CPU_ENV"
@@ -72,11 +77,16 @@ def engine(request):
     reason = skip_reason(name, device)
     if reason:
         pytest.skip(reason)
-    settings = EngineSettings(model_path=str(MODEL), device=device, dtype="float32", load_weights=False)
-    eng = create_engine(name, settings)
+    eng = create_engine(name, contract_settings(MODEL, device))
     eng.update_weights(model_weights().items())  # the trainer's first push
     yield eng
     eng.shutdown()
+
+
+def contract_settings(model: Path, device: str, **extra) -> EngineSettings:
+    """An engine started without weights (they come in a push), fp32, on `device`; on CUDA with its share."""
+    share = {"memory_fraction": CUDA_MEMORY_SHARE} if device == "cuda" else {}
+    return EngineSettings(model_path=str(model), device=device, dtype="float32", load_weights=False, **share, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +120,7 @@ def actor_reference(tmp_path: Path, prompts: list[list[int]], samples: list[tupl
         run_torchrun(script, 1, *args, timeout=300, env=hide_gpu)
         return torch.load(out)
     cmd = [ACTOR_PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **hide_gpu}
+    env = {**os.environ, "PYTHONPATH": repo_first_on_path(os.environ), "OMP_NUM_THREADS": "1", **hide_gpu}
     proc = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
@@ -295,8 +305,7 @@ def test_a_model_with_tied_embeddings_scores_as_transformers_after_pushes(which,
     from safetensors.torch import load_file as load
     from transformers import AutoTokenizer
 
-    settings = EngineSettings(model_path=str(tied_model), device=device, dtype="float32", load_weights=False)
-    engine = create_engine(name, settings)
+    engine = create_engine(name, contract_settings(tied_model, device))
     try:
         weights = load(tied_model / "model.safetensors")
         engine.update_weights({k: v * 0.5 for k, v in weights.items()}.items())  # a first push, then the real one
@@ -364,9 +373,7 @@ def test_a_mixture_of_experts_model_scores_as_transformers_and_returns_its_routi
         pytest.skip("SGLang's MoE layers do not start in its bridged CPU test environment (docs/engines.md)")
     from transformers import AutoTokenizer
 
-    settings = EngineSettings(
-        model_path=str(MOE_MODEL), device=device, dtype="float32", load_weights=False, return_routed_experts=True
-    )
+    settings = contract_settings(MOE_MODEL, device, return_routed_experts=True)
     if (name, device) == ("vllm", "cpu"):
         for routing in (True, False):
             with pytest.raises(ConfigError, match="cannot take weight pushes into a mixture-of-experts model"):

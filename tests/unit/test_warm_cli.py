@@ -142,6 +142,15 @@ def test_variables_set_in_the_test_process_after_it_started_do_not_reach_the_run
     assert "VLLM_DIST_IDENT" not in env and env["PATH"] == os.environ["PATH"] and env["OMP_NUM_THREADS"] == "1"
 
 
+def test_runs_find_the_repository_first_and_keep_the_pythonpath_the_tests_started_with(monkeypatch):
+    """A GPU machine without network has megatron-core or vLLM unpacked into a folder on PYTHONPATH: the actor
+    reference of the engine contract, run with the repository as the whole PYTHONPATH, lost megatron-core."""
+    monkeypatch.setitem(warm_cli.START_ENVIRON, "PYTHONPATH", "/opt/carried")
+    assert warm_cli.cli_env()["PYTHONPATH"] == f"{warm_cli.REPO}{os.pathsep}/opt/carried"
+    monkeypatch.delitem(warm_cli.START_ENVIRON, "PYTHONPATH")
+    assert warm_cli.cli_env()["PYTHONPATH"] == str(warm_cli.REPO)
+
+
 MEDIA_PROBE = """import sys, time
 from pathlib import Path
 from wandb.sdk.data_types._private import MEDIA_TMP
