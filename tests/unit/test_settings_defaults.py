@@ -24,7 +24,8 @@ from dapo_mcore.rollout.validation import EvalSettings
 
 # Where the engine lives is resolved from the model and the tasks, not a knob: the defaults there are a
 # standalone engine's on the CPU (EngineSettings' docstring).
-NOT_KNOBS = {EngineSettings: {"model_path", "device", "dtype", "load_weights", "placement"}}
+# (instance_id names what the engine holds host-wide after the run directory: rollout/vllm_compat.py)
+NOT_KNOBS = {EngineSettings: {"model_path", "device", "dtype", "load_weights", "placement", "instance_id"}}
 ONE_PROCESS = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
 
 

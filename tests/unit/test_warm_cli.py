@@ -41,7 +41,8 @@ def test_on_a_gpu_machine_a_started_run_can_be_signalled_and_waited_for(tmp_path
 RANK_PROBE = """import os, sys
 warm = "torch" in sys.modules  # preloaded by the server: the rank is a fork, not a fresh interpreter
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-print("rank", *(os.environ.get(k) for k in keys), warm, sys.argv[1:], flush=True)
+# one write: the ranks share the pipe, and print's separate writes of its parts interleaved ("rankrank 1 1 ...")
+print(" ".join(map(str, ["rank", *(os.environ.get(k) for k in keys), warm, sys.argv[1:]])), flush=True)
 """
 
 
