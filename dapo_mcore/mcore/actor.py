@@ -10,6 +10,7 @@ over the whole mini-batch whatever the split.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from dapo_mcore.mcore.fused_logprobs import (
     output_weight,
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
-from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay
+from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay, no_router_losses
 from dapo_mcore.mcore.provider import cpu_offload_problem, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_reduce_sums_and_maxes
@@ -214,11 +215,20 @@ class PolicyRunner:
         if self.settings.packing != "off":
             return self._packed_micro_batches(samples, indices)
         ctx, settings = self.ctx, self.settings
+        n_micro = 0  # the micro-batches every DP rank runs
         if settings.max_tokens_per_micro_batch:
             lengths = [sample_tokens(s) for s in samples]
-            mine = self.dp_split.shares(indices, lengths)[ctx.dp_rank]
-            batches = token_budget_micro_batches(mine, lengths, settings.max_tokens_per_micro_batch, self._multiple)
-            plans = [(rows, round_up(lengths[rows[0]], self._multiple)) for rows in batches]
+            budget = settings.max_tokens_per_micro_batch
+            by_rank = [
+                token_budget_micro_batches(share, lengths, budget, self._multiple)
+                for share in self.dp_split.shares(indices, lengths)
+            ]
+            # Each DP rank packs its own share, so the counts differ (21 against 22 at the 30B-A3B recipe's
+            # shape); expert parallelism runs collectives per micro-batch across DP ranks, and a rank with one
+            # more would wait in an all-to-all no partner joins. Every rank runs the largest count, which each
+            # computes from the shares all ranks know.
+            n_micro = max(map(len, by_rank))
+            plans = [(rows, round_up(lengths[rows[0]], self._multiple)) for rows in by_rank[ctx.dp_rank]]
             if ctx.pp_size > 1:
                 plans = _one_shape(plans)
         else:
@@ -228,7 +238,7 @@ class PolicyRunner:
             ]
         # An empty share still runs the schedule (it takes part in the collectives); the interleaved schedule
         # needs whole groups of pp micro-batches. Padding rows carry no loss.
-        n_padding = self._n_padding_micro_batches(len(plans))
+        n_padding = self._n_padding_micro_batches(max(len(plans), n_micro)) + max(n_micro - len(plans), 0)
         pad_rows = [-1] * (len(plans[0][0]) if plans and not settings.max_tokens_per_micro_batch else 1)
         plans += [(pad_rows, plans[0][1] if plans else self._multiple)] * n_padding
         return [
@@ -300,10 +310,17 @@ class PolicyRunner:
 
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
-        extra = {}
+        extra, losses = {}, contextlib.nullcontext()
         if self.routing is not None:
             extra["padding_mask"] = self._padding_mask(model, mb)
             self.routing.set_targets(model, mb.routing, mb.routing_compared)
+            if not mb.real_tokens:  # padding only: the routers' losses would divide by its 0 tokens
+                losses = no_router_losses(self.config)
+        with losses:
+            output = self._forward(model, mb, extra)
+        return output, partial(self._logprob_output if forward_only else self._loss, mb)
+
+    def _forward(self, model: Any, mb: MicroBatch, extra: dict[str, Any]) -> torch.Tensor:
         if mb.segment_ids is None:
             output = model(mb.tokens, mb.position_ids, None, **extra)  # [b, s, V/tp] on the last stage; causal
         elif self.settings.packing == "thd":
@@ -312,7 +329,7 @@ class PolicyRunner:
             # The local spec's layers are built causal, but its (unfused: masked_softmax_fusion is off without
             # TE) softmax uses a mask when one is passed (FusedScaleMaskSoftmax.forward_torch_softmax).
             output = model(mb.tokens, mb.position_ids, block_causal_mask(mb.segment_ids), **extra)
-        return output, partial(self._logprob_output if forward_only else self._loss, mb)
+        return output
 
     def _padding_mask(self, model: Any, mb: MicroBatch) -> torch.Tensor:
         """[b, s] True at padding: the routers leave those tokens out of the load-balancing loss (else every

@@ -47,6 +47,20 @@ def _sum_over_ranks(values: torch.Tensor, ctx: ParallelContext, sequence_paralle
     return values.cpu()
 
 
+@contextmanager
+def no_router_losses(config: Any) -> Iterator[None]:
+    """A forward without the routers' load-balancing and z losses: for a micro-batch of padding only (every DP rank
+    runs as many micro-batches, and an empty share runs one). Megatron leaves padding out of both losses by
+    counting the non-padding tokens, and divides by that count: 0 / 0, NaN in every gradient of the step."""
+    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
+    zero = [0.0] * len(saved[0]) if isinstance(saved[0], list) else 0.0
+    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = zero, None
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
+
+
 def routers_of(chunks: list[Any]) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router) of every sparse layer of this rank's chunks."""
     from megatron.core.transformer.moe.router import TopKRouter

@@ -41,11 +41,20 @@ RUNS = [  # (processes, layout): the first of each data-parallel size is the ref
 ]
 
 
+# Varied lengths under a 64-token budget: DP rank 0's share packs into 3 micro-batches, rank 1's into 4.
+BUDGET = {**GRADS, "varied_samples": True, "max_tokens": 64}
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Layouts:
     root = tmp_path_factory.mktemp("moe")
     layouts = Layouts(save_tiny_model(root / "hf", "qwen3_moe", layers=4), root / "runs")
-    grads = [(layouts, 2, GRADS), (layouts, 2, {**GRADS, "ep": 2})]
+    grads = [
+        (layouts, 2, GRADS),
+        (layouts, 2, {**GRADS, "ep": 2}),
+        (layouts, 2, BUDGET),
+        (layouts, 2, {**BUDGET, "ep": 2}),
+    ]
     prefetch([(layouts, nproc, layout) for nproc, layout in RUNS] + grads)
     return layouts
 
@@ -73,6 +82,15 @@ def test_the_model_has_experts_and_they_learn(moe):
 
 def test_expert_parallel_gives_the_gradients_of_experts_on_every_rank(moe):
     assert_same(moe.run(2, **GRADS, ep=2), moe.run(2, **GRADS))
+
+
+def test_expert_parallel_with_a_token_budget_runs_as_many_micro_batches_on_every_rank(moe):
+    """Under a token budget each DP rank packs its own share, into 3 and 4 micro-batches here. Expert parallelism
+    runs an all-to-all per micro-batch across the DP ranks: the rank with one more waited in one that no partner
+    joined (the 30B-A3B recipe hung at its first step). Every rank now runs the largest count, and the gradients
+    are those of the experts on every rank."""
+    run = "token-mean/4/64"
+    assert_same(moe.run(2, **BUDGET, ep=2), moe.run(2, **BUDGET), run=run, reference_run=run)
 
 
 def test_expert_parallel_with_the_distributed_optimizer(moe):
