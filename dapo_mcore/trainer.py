@@ -8,6 +8,7 @@ engine.update_weights <- weight export (TP/PP gather -> HF names -> buckets) <- 
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -291,12 +292,18 @@ def check_mismatch(cfg: RunConfig, step: int, metrics: dict[str, float]) -> None
     kl = metrics.get("mismatch/k3_kl")
     if mm.guard == "off" or kl is None or kl <= mm.guard_max_kl:
         return
-    message = (
-        f"step {step}: the engine's log-probs of the answers it just sampled are far from the actor's: KL(engine "
-        f"|| actor) {kl:.3g} nats a token (mismatch/k3_kl > algorithm.mismatch.guard_max_kl={mm.guard_max_kl:g}; "
-        f"mean |log-prob gap| {metrics['mismatch/abs_logp_diff_mean']:.3g}): the engine did not generate with the "
-        "actor's weights (a broken weight push?)"
-    )
+    if math.isnan(kl):
+        message = (
+            f"step {step}: a log-prob of the answers the engine just sampled is not a number (NaN), the actor's or "
+            "the engine's: the KL between them cannot be told (mismatch/k3_kl is NaN)"
+        )
+    else:
+        message = (
+            f"step {step}: the engine's log-probs of the answers it just sampled are far from the actor's: KL(engine "
+            f"|| actor) {kl:.3g} nats a token (mismatch/k3_kl > algorithm.mismatch.guard_max_kl={mm.guard_max_kl:g}; "
+            f"mean |log-prob gap| {metrics['mismatch/abs_logp_diff_mean']:.3g}): the engine did not generate with "
+            "the actor's weights (a broken weight push?)"
+        )
     if mm.guard == "warn":
         log.warning("%s; training on (algorithm.mismatch.guard=warn)", message)
         return

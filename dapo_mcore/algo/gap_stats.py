@@ -51,7 +51,9 @@ def add_gaps(sums_S: torch.Tensor, extremes_3: torch.Tensor, diff_N: torch.Tenso
 
 
 def _bin_of(d: torch.Tensor) -> torch.Tensor:
-    u = torch.asinh(d / GAP_SCALE)
+    """Each gap's histogram bin. A NaN gap (a NaN log-prob, the actor's or the engine's) goes to the top bin: its
+    sums are NaN then, which the mismatch guard stops on (as a bin index it made bincount raise instead)."""
+    u = torch.asinh(torch.nan_to_num(d, nan=math.inf) / GAP_SCALE)
     return ((u + _U_MAX) * (GAP_BINS / (2 * _U_MAX))).floor().clamp_(0, GAP_BINS - 1).long()
 
 

@@ -686,6 +686,8 @@ def _gap_metrics(sums_S: torch.Tensor, extremes_3: torch.Tensor, prefix: str) ->
         f"{prefix}/ratio_max": math.exp(float(extremes_3[1])),
         f"{prefix}/ratio_min": math.exp(-float(extremes_3[2])),
     }
+    if math.isnan(k3_mean):  # a NaN log-prob (the mismatch guard names it): its quantiles mean nothing
+        return metrics
     for q, ratio in zip(_QUANTILES, gap_quantiles(sums_S, extremes_3, _QUANTILES, of=math.exp)):
         metrics[f"{prefix}/ratio_p{round(q * 100)}"] = ratio
     return metrics

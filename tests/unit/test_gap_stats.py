@@ -91,3 +91,13 @@ def test_a_few_tokens_give_torch_quantiles_rule(n):
 
 def test_no_tokens_give_no_metrics():
     assert _gap_metrics(*empty_gap_summary(), "offpolicy") == {}
+
+
+def test_a_nan_gap_makes_the_kl_nan_for_the_guard_instead_of_raising():
+    """A NaN log-prob (the actor's or the engine's) made its histogram bin index garbage and bincount raise
+    ("bincount only supports 1-d non-negative integral inputs") before the mismatch guard could name it."""
+    sums_S, extremes_3 = empty_gap_summary()
+    add_gaps(sums_S, extremes_3, torch.tensor([0.01, float("nan"), -0.02]))
+    assert gap_tokens(sums_S) == 3
+    metrics = _gap_metrics(sums_S, extremes_3, "mismatch")
+    assert math.isnan(metrics["mismatch/k3_kl"])

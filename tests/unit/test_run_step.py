@@ -4,6 +4,7 @@ the step's micro-batches are gone before the weight push, and a push that corrup
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from pathlib import Path
 
@@ -131,6 +132,9 @@ def test_the_guard_warns_or_stays_quiet_as_configured(built, caplog):
     trainer.check_mismatch(cfg, 7, {})  # no answer of this step's weights: nothing to compare
     with pytest.raises(MismatchError, match="step 7"):
         trainer.check_mismatch(cfg, 7, metrics)
+    nan = {"mismatch/k3_kl": math.nan, "mismatch/abs_logp_diff_mean": math.nan}
+    with pytest.raises(MismatchError, match=r"step 7: a log-prob .* is not a number \(NaN\)"):
+        trainer.check_mismatch(cfg, 7, nan)
 
 
 def test_the_runs_first_push_is_verified(built, caplog, monkeypatch):
