@@ -54,6 +54,7 @@ from dapo_mcore.parallel import (
     init_parallel,
     resolve_device,
 )
+from dapo_mcore.parallel.gloo_net import gloo_route
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
@@ -166,6 +167,8 @@ def preflight(cfg: RunConfig, ctx: ParallelContext, save_bytes: int, path_proble
         room = room_problem(checkpoint_dir_of(cfg), save_bytes)
     raise_shared([room] if room else [])
     where = f"{_count(ctx.world_size, 'rank')} on {_count(len(hosts), 'host')} ({_hosts_listed(hosts)})"
+    if len(hosts) > 1 and gloo_route():
+        where += f"; gloo on {gloo_route()}"  # this rank's host's; the wait group's traffic crosses hosts
     log.info("preflight passed on %s: %s", where, check_all_reduce(ctx.device, cfg.parallel.preflight_timeout_s))
 
 

@@ -48,7 +48,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from dapo_mcore.utils.errors import DapoError
+from dapo_mcore.utils.errors import PreflightError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import Terminated
 
@@ -344,12 +344,6 @@ def _clock_time(unix_time: float, fmt: str) -> str:
 
 
 # --- Preflight: what would otherwise fail hours into a job, checked before any model allocation ---------------
-
-
-class PreflightError(DapoError):
-    """A check before training failed; the message has one line per problem."""
-
-    same_on_every_rank = False  # a missing mount or GPU may be one node's alone
 
 
 def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int, ep: int = 1, etp: int = 0) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_mcore.parallel import cpu_mode
+from dapo_mcore.parallel.gloo_net import choose_gloo_interface
 from dapo_mcore.parallel.liveness import PeerWatch, gone_peer_line
 from dapo_mcore.utils.errors import LayoutError
 from dapo_mcore.utils.logging import get_logger
@@ -265,6 +266,7 @@ def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:
         )
         os.environ.update(one_process)
         _ENV_SET_HERE.update(one_process)
+    choose_gloo_interface()  # gloo carries the wait group on every device
     backend = "gloo" if device.type == "cpu" else "nccl"
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 

@@ -33,6 +33,12 @@ class CheckpointError(DapoError):
     """A checkpoint is missing, incomplete or does not match the model."""
 
 
+class PreflightError(DapoError):
+    """A check before training failed; the message has one line per problem."""
+
+    same_on_every_rank = False  # a missing mount or GPU may be one node's alone
+
+
 class EngineError(DapoError):
     """A rollout engine raised or its worker died; raised on the rank whose engine failed, chained to the
     original exception (`__cause__`), whose traceback rollout/guard.py has logged."""

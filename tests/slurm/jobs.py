@@ -32,11 +32,12 @@ WARNED_STEP_PAUSE = 18.0
 WARNING_ONLY = ["checkpoint.stop_before_time_limit=false"]  # the run's own stop would come first otherwise
 # Too late: a warning 5 s ahead (5-35 s: Slurm's tick) is shorter than a paused step and a save; the run reads the
 # job's end from squeue (Slurm 22.05 sets no SLURM_JOB_END_TIME) and stops by itself at the first step boundary
-# where its longest step (about 16 s), the save estimate of 10 s and this margin no longer fit: 66-82 s before
-# the end of a 4-minute attempt, 30 s or more before the warning could come, after 1-10 steps; its 12 steps of
-# 15 s pauses would take 180 s and more.
+# where its longest step (about 17.5 s), the save estimate of 10 s and this margin no longer fit: 50-68 s before
+# the end of a 4-minute attempt, 15 s or more before the warning could come, after 1-10 steps. Its 12 steps of
+# 17 s pauses take 204 s and more: past that boundary (172 s into the attempt) after any start-up, a warm task's
+# 2 s included (with 15 s pauses, 186 s of steps left it 1.5 s short of the boundary, and the job finished).
 LATE_WARNING = ["--time=4", "--signal=B:USR1@5"]
-OWN_STOP_STEP_PAUSE = 15.0
+OWN_STOP_STEP_PAUSE = 17.0
 OWN_STOP_MARGIN = ["checkpoint.time_limit_margin_s=40"]
 RECIPE = [
     "examples/smoke_cpu.yaml",

@@ -339,7 +339,8 @@ def test_the_time_limit_warning_saves_on_both_hosts_and_the_job_resumes_on_anoth
     assert two == jobs.drained
     assert hosts_of(first) == {0: one, 1: two} and f"rendezvous {one}:" in first[1]
     assert "world=2 = TP 1 x PP 1 x DP 2" in first[0]
-    assert f"preflight passed on 2 ranks on 2 hosts ({one}, {two})" in first[0]  # each rank checked its host
+    # each rank checked its host; gloo (the wait group's traffic) on the address rank 0's host name resolves to
+    assert f"preflight passed on 2 ranks on 2 hosts ({one}, {two}); gloo on {one}'s address 10." in first[0]
     stopped = re.search(r"stopping \w+ step \d+ on Slurm's time-limit warning: saved to (\S+)", first[0])
     assert stopped, first[0][-3000:]
     # every step ran exactly once, in order, with the metrics of the one-node run
