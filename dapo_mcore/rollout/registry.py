@@ -88,8 +88,8 @@ def _model_config(model_path: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-# The engine versions the adapters are tested with (docs/engines.md, "Versions").
-_TESTED = {"vllm": f"{WINDOW_TEXT}", "sglang": "0.5.23"}
+# The SGLang release the adapter is tested with (docs/engines.md, "Versions"); vLLM's window is vllm_compat's.
+SGLANG_TESTED = "0.5.23"
 
 
 def engine_version(name: str) -> str | None:
@@ -105,8 +105,6 @@ def engine_version(name: str) -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     where = (
-        "the tested version"
-        if version == _TESTED["sglang"]
-        else f"untested: the adapter is tested with {_TESTED['sglang']}"
+        "the tested version" if version == SGLANG_TESTED else f"untested: the adapter is tested with {SGLANG_TESTED}"
     )
     return f"SGLang: sglang {version} ({where})"

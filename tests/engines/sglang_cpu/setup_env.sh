@@ -6,20 +6,15 @@
 #
 #   tests/engines/sglang_cpu/setup_env.sh [VENV]     (default: ~/.cache/dapo-mcore/sglang-cpu, outside any clone)
 #
-# Rebuilt only when this script, requirements.txt or the bridge changed (a stamp holds their hash): a fresh
-# clone reuses the environment an earlier clone built (about 2 minutes saved). Builds wait for each other (flock).
+# Rebuilt only when this script, requirements.txt or the bridge changed (tests/engines/cached_env.sh: a stamp holds
+# their hash): a fresh clone reuses the environment an earlier clone built (about 2 minutes saved).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 venv="${1:-${XDG_CACHE_HOME:-$HOME/.cache}/dapo-mcore/sglang-cpu}"
-stamp="$venv/.dapo-sglang-cpu"
-want="$(cat "$here/setup_env.sh" "$here/requirements.txt" "$here/dapo_sglang_cpu_bridge.py" | sha256sum | cut -d' ' -f1)"
-mkdir -p "$(dirname "$venv")"
-exec 9>"$venv.lock"
-flock 9
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-rm -rf "$venv"
+source "$here/../cached_env.sh"
+want="$(cat "$here/setup_env.sh" "$here/../cached_env.sh" "$here/requirements.txt" "$here/dapo_sglang_cpu_bridge.py" |
+  sha256sum | cut -d' ' -f1)"
+reuse_or_clear "$venv" "$want"
 "${PYTHON:-python3}" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q)
 "${pip[@]}" --upgrade pip
@@ -32,4 +27,4 @@ rm -f "$constraint"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$here/dapo_sglang_cpu_bridge.py" "$site/"
 echo "import dapo_sglang_cpu_bridge" >"$site/dapo_sglang_cpu_bridge.pth"
-echo "$want" >"$stamp"
+stamp_env "$venv" "$want"

