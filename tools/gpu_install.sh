@@ -7,7 +7,9 @@
 #                                           wheel, and build transformer_engine_torch against this torch in the
 #                                           background (setsid: it outlives the call; log /tmp/te-build.log)
 #                                           (or unpack .whl/transformer_engine_torch-*-built-*.tgz, a build
-#                                           kept from an earlier machine with the same torch, by "te-keep")
+#                                           made with the same torch: by "te-keep" on an earlier machine, or
+#                                           here by tools/gpu_wheels.sh --te-build; compiled after all if it
+#                                           does not import)
 #   bash tools/gpu_install.sh te-wait [S]   wait up to S seconds (default 540) for that build, then import TE
 #   bash tools/gpu_install.sh te-keep DIR   pack the built transformer_engine_torch into DIR (e.g. $OUT)
 #   bash tools/gpu_install.sh vllm-stage    copy the carried .vllm<N>/ and .vdeps<N>/ folders' files into
@@ -42,10 +44,16 @@ te)
   (cd $chunks && sha256sum -c SHA256SUMS)
   pip_install "$wheel"
   built=$(compgen -G ".whl/transformer_engine_torch-*-built-*.tgz" | head -1 || true)
-  if [[ -n "$built" ]]; then  # a build from an earlier machine (same torch): no need to compile again
-    tar xzf "$built" -C "$("$py" -c 'import site; print(site.getsitepackages()[0])')"
-    echo 0 >/tmp/te-build.rc && echo "transformer_engine_torch: $built unpacked" | tee /tmp/te-build.log
-    exit 0
+  if [[ -n "$built" ]]; then  # a build made elsewhere (same torch): no need to compile again, if it loads here
+    site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
+    tar xzf "$built" -C "$site"
+    if why=$("$py" -c "import transformer_engine.pytorch" 2>&1); then
+      echo 0 >/tmp/te-build.rc && echo "transformer_engine_torch: $built unpacked" | tee /tmp/te-build.log
+      exit 0
+    fi
+    # e.g. built against a newer glibc or libstdc++ than this machine's: take it out and compile here instead
+    echo "transformer_engine_torch: $built does not load here, compiling instead: $(echo "$why" | tail -n 1)"
+    (cd "$site" && tar tzf "$OLDPWD/$built" | xargs rm -f)
   fi
   sdist=$(ls .whl/transformer_engine_torch-*.tar.gz)
   cp "$sdist" /tmp/
