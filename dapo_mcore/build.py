@@ -203,6 +203,7 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         cfg.checkpoint.keep_last,
         hf_assets_from=cfg.model.hf_path,
         async_save=cfg.checkpoint.async_save,
+        optimizer_format=cfg.checkpoint.optimizer_format,
     )
     checkpoints.remove_partials()  # the lock is held: no live run is writing them
     resume = find_resume(cfg, checkpoints, run_dir, spec)

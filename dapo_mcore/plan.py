@@ -237,6 +237,8 @@ class MemoryPlan:
     engine_start: EngineStart | None = None
     # Host memory a GPU's process takes for what it keeps off the GPU (optimizer.cpu_offload).
     host_lines: tuple[Line, ...] = ()
+    # Host memory a GPU's process takes while it saves a checkpoint, and while it resumes from one.
+    save_lines: tuple[Line, ...] = ()
 
     @property
     def peak(self) -> Phase:
@@ -396,6 +398,7 @@ def _plan_stage(
         notes=_notes(cfg, lay, tokens),
         engine_start=engine.start(),
         host_lines=_host_lines(cfg, shape, lay, pp_rank),
+        save_lines=_save_lines(cfg, shape, lay, pp_rank),
     )
 
 
@@ -462,6 +465,27 @@ def _host_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -
         Line("Adam moments (host)", sharded * 8 * f, f"{p} x 8 B x {f:g}", "actor"),
         Line("fp32 gradients, pinned (host)", sharded * 4 * f, f"{p} x 4 B x {f:g}", "actor"),
     )
+
+
+def _save_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[Line, ...]:
+    """A save copies what the rank writes to host memory (Megatron's torch_dist writer; an async save stages it
+    all at once): its optimizer share (fp32 master + Adam moments, 12 B a parameter) and the weights it writes
+    (the first DP rank writes a replicated tensor). checkpoint.optimizer_format=fully_reshardable also gathers
+    the DP group's whole optimizer state on the group's first rank (gloo: host memory), and every rank of the
+    group reads that whole state back at a resume."""
+    if cfg.checkpoint.save_interval <= 0:
+        return ()
+    params, _ = _stage_params(shape, lay, pp_rank)
+    sharded, shard = _optimizer_shard(cfg, shape, lay, pp_rank)
+    b, p = _DTYPE_BYTES[cfg.model.dtype], f"{_count(params)} params"
+    own = Line("save: the rank's optimizer share", sharded * 12, f"{_count(sharded)} params {shard} x 12 B")
+    weights = Line("save: weights (the first DP rank)", params * b, f"{p} x {b} B")
+    if cfg.checkpoint.optimizer_format == "dp_reshardable":
+        read = Line("resume: the rank's optimizer share", sharded * 12, "read into place (a tensor at a time)")
+        return own, weights, read
+    gathered = Line("save: the DP group's gathered state", params * 12, f"{p} x 12 B (fully_reshardable)")
+    read = Line("resume: the DP group's whole state", params * 12, f"{p} x 12 B, on every rank (fully_reshardable)")
+    return own, weights, gathered, read
 
 
 def _optimizer_shard(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
@@ -758,6 +782,7 @@ def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
         out += [f"  {line.name:<38}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in plan.host_lines]
         host = sum(line.bytes for line in plan.host_lines)
         out += [f"  {'total':<38}{host / GIB:>8.2f} GiB; x the GPUs of a node (8: {8 * host / GIB:.0f} GiB)", ""]
+    out += _save_summary(plan)
     out += [f"note: {note}" for note in plan.notes]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"{verdict}: peak {plan.peak.total / GIB:.1f} GiB ({plan.peak.name}) of {plan.gpu_bytes / GIB:g} GiB")
@@ -769,6 +794,20 @@ def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
         out.append("what would help (each change alone, and what it takes off the peak):")
         out += [f"  {s.change}  (-{s.saves / GIB:.1f} GiB{', fits' if s.fits else ''})" for s in plan.suggestions]
     return "\n".join(out)
+
+
+def _save_summary(plan: MemoryPlan) -> list[str]:
+    if not plan.save_lines:
+        return []
+    out = [f"checkpoints, per GPU's process ({plan.stage}; no GPU memory beyond the step's):"]
+    out += [f"  {line.name:<38}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in plan.save_lines]
+    saving = sum(line.bytes for line in plan.save_lines if line.name.startswith("save"))
+    resuming = sum(line.bytes for line in plan.save_lines if line.name.startswith("resume"))
+    return out + [
+        f"  a node of 8 GPUs: a save stages at most {8 * saving / GIB:.0f} GiB in host memory; a resume reads "
+        f"{8 * resuming / GIB:.0f} GiB from storage (checkpoint.optimizer_format)",
+        "",
+    ]
 
 
 def _engine_start_summary(start: EngineStart, gpu: float) -> str:

@@ -13,9 +13,15 @@ rewritten (by a rename, too). The last `keep_last` saves are kept. Loading check
 file, truncated file, missing metadata), so a save cut short by a killed job is reported and skipped by
 `resume=auto` instead of failing halfway through loading weights.
 
-Model and optimizer are stored layout-free: sharded tensors keyed by global layer index, and the
-distributed optimizer in its canonical `fully_reshardable` form. A save made at one TP x PP x DP layout loads
-at another; per-rank RNG states are restored only at the same layout.
+The model is stored layout-free (sharded tensors keyed by global layer index): it loads at any TP x PP x DP
+(x EP) layout. The distributed optimizer's state is stored as `checkpoint.optimizer_format` says:
+- `dp_reshardable` (the default, Megatron-LM's own for routine saves): each rank writes its own share of its
+  data-parallel group's buckets, nothing is gathered, and each rank reads back only its share; it reloads at
+  another data-parallel size, but not at another TP / PP / EP / VPP (refused with one line naming the layouts).
+- `fully_reshardable`: the canonical per-parameter form, which reloads at any layout. Making it gathers each
+  data-parallel group's whole state (over gloo, in host memory of the group's first rank: Megatron's
+  memory-efficient path), and loading it reads the whole group's state on every rank.
+Per-rank RNG states are restored only at the same layout.
 """
 
 from __future__ import annotations
@@ -55,7 +61,32 @@ from dapo_mcore.utils.processes import die_with_parent
 log = get_logger(__name__)
 
 LATEST = "latest"
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+_BEFORE_FORMATS = "fully_reshardable"  # saves made before checkpoint.optimizer_format existed
+
+
+def optimizer_state(actor: Any, model_sd: dict[str, Any], optimizer_format: str, is_loading: bool = False) -> Any:
+    """The optimizer's part of a save (or of a load's request) in `optimizer_format`."""
+    metadata = {
+        "distrib_optim_sharding_type": optimizer_format,
+        # fully_reshardable: gather over gloo onto each DP group's first rank, not NCCL onto every rank's GPU
+        "distrib_optim_fully_reshardable_mem_efficient": True,
+    }
+    return actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+
+
+def _refuse_other_layout(path: Path, saved: dict[str, Any], layout: dict[str, int], optimizer_format: str) -> None:
+    """A dp_reshardable save reloads at another data-parallel size only."""
+    if optimizer_format != "dp_reshardable":
+        return
+    fixed = {key: value for key, value in saved.items() if key != "dp"}
+    if fixed == {key: value for key, value in layout.items() if key != "dp"}:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} holds the optimizer state per data-parallel rank (checkpoint.optimizer_format="
+        f"dp_reshardable), which reloads at another DP size only: it was saved at {saved}, this run is {layout}; "
+        "resume at the saved layout (any DP size), run one step there with checkpoint.optimizer_format="
+        "fully_reshardable and checkpoint.save_interval=1, and resume that save at the new layout"
+    )
 
 
 def step_dir_name(step: int) -> str:
@@ -102,8 +133,10 @@ class CheckpointManager:
         keep_last: int = 2,
         hf_assets_from: str = "",
         async_save: bool = False,
+        optimizer_format: str = "dp_reshardable",
     ):
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
+        self.optimizer_format = optimizer_format
         _writer_results_queue_dies_with_us()
         self._async_queue = None
         self._writing: tuple[Path, Path] | None = None  # a background save's (tmp, final) until it completes
@@ -140,11 +173,14 @@ class CheckpointManager:
         model_sd = model_sharded_state_dict(actor.chunks)
         state = {
             "model": model_sd,
-            "optimizer": actor.optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_FORMAT),
+            "optimizer": optimizer_state(actor, model_sd, self.optimizer_format),
             "rng": _rng_object(self.ctx),
             "scheduler": actor.scheduler.state_dict(),
             "run": run_state,
-            "format": format_record("run", spec, actor.chunks, layout_of(self.ctx), step),
+            "format": {
+                **format_record("run", spec, actor.chunks, layout_of(self.ctx), step),
+                "optimizer_format": self.optimizer_format,
+            },
         }
         finish = functools.partial(self._complete, tmp, final, start)
         if self._async_queue is not None and background:
@@ -364,12 +400,11 @@ class CheckpointManager:
 
         common = _run_common_state(path)
         check_model_spec(common["format"]["model_spec"], spec, path)
+        saved_format = common["format"].get("optimizer_format", _BEFORE_FORMATS)
+        _refuse_other_layout(path, common["format"]["layout"], layout_of(self.ctx), saved_format)
         model_sd = model_sharded_state_dict(actor.chunks)
         _allocate_optimizer_state(actor.optimizer)
-        state = {
-            "model": model_sd,
-            "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIMIZER_FORMAT),
-        }
+        state = {"model": model_sd, "optimizer": optimizer_state(actor, model_sd, saved_format, is_loading=True)}
         same_layout = common["format"]["layout"] == layout_of(self.ctx)
         if same_layout:
             state["rng"] = _rng_object(self.ctx)
@@ -379,7 +414,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
         for i, chunk in enumerate(actor.chunks):
             unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
-        with _adam_step_fixed(actor.optimizer):
+        # no_grad: Megatron-Core 0.16.1 copies dp_reshardable state into the leaf master params with autograd on
+        with _adam_step_fixed(actor.optimizer), torch.no_grad():
             actor.optimizer.load_state_dict(loaded["optimizer"])
         # Megatron's load_state_dict *adds* the saved step count to the current one (ours starts at 1)
         actor.scheduler.num_steps = 0
@@ -468,7 +504,7 @@ def _adam_step_fixed(optimizer: Any) -> Iterator[None]:
 def _set_states_keeping_step(sub: Any, original: Any, model_param: Any, tensors: dict[str, Any]) -> None:
     group_index, group_order = sub.model_param_group_index_map[model_param]
     state = sub.optimizer.state[sub.optimizer.param_groups[group_index]["params"][group_order]]
-    if "step" in state and "step" not in tensors:
+    if "step" in state:  # dp_reshardable's per-parameter step tensors load as 0 (0-dim, bucketed): not used
         tensors = {**tensors, "step": state["step"]}
     original(sub, model_param, tensors)
 

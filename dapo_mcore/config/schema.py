@@ -455,6 +455,12 @@ class CheckpointConfig:
     # Write the shards in a background process while training goes on (Megatron-Core's async save); the
     # save is completed (manifest, `latest`) at a later step. Meant for GPUs, where a save otherwise blocks.
     async_save: bool = False
+    # How a save stores the distributed optimizer's state. "dp_reshardable" (Megatron-LM's routine format): each
+    # rank writes and reads only its own share, nothing is gathered; the save reloads at another data-parallel
+    # size but not at another TP / PP / EP. "fully_reshardable": reloads at any layout, but each save gathers
+    # every data-parallel group's whole optimizer state into its first rank's host memory, and each resume
+    # reads the group's whole state on every rank (`dapo-mcore plan` prints both).
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     # Also write the model as HF safetensors (+ config, tokenizer) to <dir>/hf/step_NNNNNN every N saves.
     hf_export_interval: int = 0
     # On SIGUSR1 (Slurm's time-limit warning) or SIGTERM (preemption, scancel): finish the current step, save,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from dapo_mcore.checkpoint.model_checkpoint import verify_complete
+from dapo_mcore.checkpoint.model_checkpoint import read_format, verify_complete
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
 from dapo_mcore.utils.errors import CheckpointError
 from tests.conftest import REPO
@@ -161,9 +161,47 @@ def test_resume_auto_falls_back_past_a_damaged_save_and_a_named_one_is_an_error(
     assert "holds saves of an earlier run" in proc.stderr
 
 
+def test_a_save_at_dp2_resumes_at_dp1_as_the_canonical_format_does_and_another_tp_is_refused(tmp_path):
+    """The default optimizer format (dp_reshardable: each rank writes and reads its own share, nothing gathered)
+    reloads at another data-parallel size into the state the canonical per-parameter format (fully_reshardable)
+    gives: the same run saved both ways at DP 2 and resumed at DP 1 takes the same next step. At another TP it
+    cannot reload, and says so in one line before reading the shards."""
+    resumed = {}
+    for optimizer_format in ("dp_reshardable", "fully_reshardable"):
+        saved_dir, resumed_dir = tmp_path / f"{optimizer_format}-dp2", tmp_path / f"{optimizer_format}-dp1"
+        cli(*train_args(saved_dir, "trainer.steps=2", f"checkpoint.optimizer_format={optimizer_format}"), ranks=2)
+        save = saved_dir / "checkpoints" / "step_000002"
+        assert read_format(save)["optimizer_format"] == optimizer_format
+        proc = cli(*train_args(resumed_dir, "trainer.steps=3", f"checkpoint.resume={save}"))
+        assert "saved at layout {'tp': 1, 'pp': 1, 'vpp': 1, 'dp': 2}" in proc.stderr
+        (resumed[optimizer_format],) = read_rows(resumed_dir)
+    shards, canonical = resumed["dp_reshardable"], resumed["fully_reshardable"]
+    assert shards["step"] == canonical["step"] == 3
+    for key in ("rollout/accuracy", "rollout/response_len_mean", "dynamic_sampling/kept_groups"):
+        assert shards[key] == canonical[key], key
+    # Adam's moments and the master weights restored from two shards, or from the gathered canonical form
+    for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/update_norm"):
+        if key in canonical:
+            assert shards[key] == pytest.approx(canonical[key], rel=1e-6), key
+    refused = cli(
+        *train_args(tmp_path / "tp2", "parallel.tensor_model_parallel_size=2",
+                    f"checkpoint.resume={tmp_path / 'dp_reshardable-dp2' / 'checkpoints' / 'step_000002'}"),
+        ranks=2,
+        expect=2,
+    )  # fmt: skip
+    assert "checkpoint.optimizer_format=dp_reshardable" in refused.stderr
+    assert "'tp': 2" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_a_save_at_tp2_resumes_at_pp2_with_the_same_next_step(tmp_path):
     ref_dir, moved_dir = tmp_path / "tp2", tmp_path / "pp2"
-    cli(*train_args(ref_dir, "trainer.steps=3", "parallel.tensor_model_parallel_size=2"), ranks=2)
+    cli(
+        *train_args(
+            ref_dir, "trainer.steps=3", "parallel.tensor_model_parallel_size=2",
+            "checkpoint.optimizer_format=fully_reshardable",  # reloads at any layout
+        ),
+        ranks=2,
+    )  # fmt: skip
     save = ref_dir / "checkpoints" / "step_000002"
     proc = cli(
         *train_args(

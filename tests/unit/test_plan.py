@@ -327,3 +327,22 @@ def test_a_config_json_the_provider_refuses_is_refused_by_the_planner_with_the_s
     no_heads = {k: v for k, v in qwen_7b().items() if k != "num_attention_heads"}
     with pytest.raises(ConfigError, match="config.json has no 'num_attention_heads'"):
         read_model_spec(no_heads)
+
+
+def test_a_routine_save_and_resume_hold_the_ranks_own_optimizer_share_and_the_canonical_format_the_groups():
+    """The per-rank host memory of a save and the bytes a resume reads, as the plan prints
+    them (Qwen2.5-7B, TP 2 on 8 GPUs: DP 4)."""
+    layout = ["parallel.tensor_model_parallel_size=2", "checkpoint.save_interval=5"]
+    lines = {
+        fmt: {line.name: line.bytes for line in plan_memory(config(*layout, f"checkpoint.optimizer_format={fmt}"),
+                                                             qwen_7b(), 80, gpus=8).save_lines}
+        for fmt in ("dp_reshardable", "fully_reshardable")
+    }  # fmt: skip
+    stage = stage_params(config(*layout), qwen_7b(), gpus=8)
+    routine, canonical = lines["dp_reshardable"], lines["fully_reshardable"]
+    assert routine["save: the rank's optimizer share"] == pytest.approx(stage / 4 * 12)
+    assert routine["resume: the rank's optimizer share"] == pytest.approx(stage / 4 * 12)
+    assert not any("group" in name for name in routine)
+    assert canonical["save: the DP group's gathered state"] == pytest.approx(stage * 12)
+    assert canonical["resume: the DP group's whole state"] == pytest.approx(stage * 12)
+    assert not plan_memory(config(*layout, "checkpoint.save_interval=0"), qwen_7b(), 80, gpus=8).save_lines
