@@ -218,7 +218,11 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
         reward = cfg.algorithm.reward
         verifiers = VerifierPool(
-            reward.verifier, workers=reward.workers, timeout_s=reward.timeout_s, batch_timeout_s=reward.batch_timeout_s
+            reward.verifier,
+            workers=reward.workers,
+            timeout_s=reward.timeout_s,
+            batch_timeout_s=reward.batch_timeout_s,
+            timeout_per_answer_s=reward.timeout_per_answer_s,
         )
         sampler = build_sampler(cfg, ctx, engine, prompts, verifiers, actor.dp_split)
         validator = build_validator(cfg, ctx, engine, prompts, verifiers)

@@ -225,12 +225,18 @@ class RewardConfig:
     wrong: float = -1.0
     # Each check runs in a worker process and counts as wrong past this many seconds.
     timeout_s: float = 10.0
-    # One batch of checks (a round's answers on a rank) gets at most this many seconds: the checks not done by
-    # then count as timed out (wrong), so that a verifier that hangs costs a round this much, not timeout_s per
-    # answer in turn (a never-returning verifier cost about 53 minutes a step of the demo).
+    # One batch of checks (a round's answers on a rank) gets at most batch_timeout_s + timeout_per_answer_s x
+    # answers / workers seconds: the checks not done by then count as timed out (wrong, and said in one warning),
+    # so that a verifier that hangs costs a round this much, not timeout_s per answer in turn (a never-returning
+    # verifier cost about 53 minutes a step of the demo), while a large round of slow checks still gets its time
+    # (12,288 answers at the 7B recipe's round on 8 workers: 300 + 384 s).
     batch_timeout_s: float = 300.0
-    # Verifier worker processes per rank (0: in-process, no timeout; for debugging).
-    workers: int = 1
+    # What each answer adds to its batch's budget (batch_timeout_s above), divided among the verifier workers.
+    timeout_per_answer_s: float = 0.25
+    # Verifier worker processes per rank: -1 (auto) starts one per 256 answers of a batch, up to the CPUs the
+    # process may use less one (its node's CPUs shared by its GPU processes, or its own under CPU binding);
+    # 0: in-process, no timeout (debugging only).
+    workers: int = -1
 
 
 @dataclass

@@ -117,7 +117,8 @@ def _check_reward(cfg: RunConfig) -> None:
         f"algorithm.reward.batch_timeout_s ({reward.batch_timeout_s}) must be >= algorithm.reward.timeout_s "
         f"({reward.timeout_s}): a batch must have time for one check",
     )
-    _require(reward.workers >= 0, "algorithm.reward.workers must be >= 0")
+    _require(reward.workers >= -1, "algorithm.reward.workers must be >= 0, or -1 (auto)")
+    _require(reward.timeout_per_answer_s >= 0, "algorithm.reward.timeout_per_answer_s must be >= 0")
 
 
 def _check_length_shaping(cfg: RunConfig) -> None:

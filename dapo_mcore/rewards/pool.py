@@ -7,6 +7,12 @@ once it reports that its verifier is imported, so start-up time never counts aga
 raises counts as wrong and its traceback is kept; one that returns what is no verdict (correct_of) is marked
 invalid, which the caller refuses (rollout/user_functions.py). With workers=0 the checks run in-process without
 a timeout (debugging only).
+
+One call's budget grows with its answers (batch_timeout_s + timeout_per_answer_s x answers / workers): a round
+of 12,288 answers must not be cut off where a round of 100 is not. Answers left when it runs out are marked
+`unchecked` (wrong, timed out, said in one warning), apart from checks that ran past their own timeout. With
+workers=AUTO the pool grows to one worker per ANSWERS_PER_WORKER answers of a call, up to the CPUs this process
+may use (host_workers).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import math
 import multiprocessing as mp
 import numbers
+import os
 import time
 import traceback
 from collections import deque
@@ -44,6 +51,22 @@ class Verdict:
     timed_out: bool = False
     error: str | None = None  # the verifier raised: its traceback (the check counts as wrong)
     invalid: str | None = None  # the verifier returned what is no verdict: what, and what is wanted
+    unchecked: bool = False  # never checked: the call's budget ran out first (timed_out too; counts as wrong)
+
+
+AUTO = -1  # workers: scaled with the answers of a call (host_workers caps it)
+ANSWERS_PER_WORKER = 256
+
+
+def host_workers() -> int:
+    """Verifier workers this process may run: the CPUs it may use, less one for itself. Under a launcher that
+    binds each task to its CPUs (srun --cpu-bind) the affinity mask is the task's own; otherwise it is the node's,
+    shared with the other GPU processes of the node (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE)."""
+    usable = len(os.sched_getaffinity(0))
+    if usable >= (os.cpu_count() or usable):  # not bound: the node's CPUs, shared
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+        usable //= max(1, int(local.split("(")[0] or 1))
+    return max(1, usable - 1)
 
 
 VERDICT_CONTRACT = "a verifier returns a bool, or a number in [0, 1] (correct from 0.5)"
@@ -118,23 +141,40 @@ class VerifierPool:
         timeout_s: float = 10.0,
         startup_timeout_s: float = 120.0,
         batch_timeout_s: float = float("inf"),
+        timeout_per_answer_s: float = 0.0,
     ):
-        """batch_timeout_s: one verify call's budget; past it, the checks not done count as timed out (wrong)
-        at once, so that a verifier that hangs costs a step that much, not timeout_s per answer in turn."""
+        """batch_timeout_s + timeout_per_answer_s x answers / workers: one verify call's budget; past it, the
+        checks not done count as timed out (wrong) at once, so that a verifier that hangs costs a step that
+        much, not timeout_s per answer in turn. workers: a count, 0 (in-process) or AUTO."""
         self.spec, self.n_workers, self.timeout_s = spec, workers, timeout_s
         self.startup_timeout_s, self.batch_timeout_s = startup_timeout_s, batch_timeout_s
+        self.timeout_per_answer_s = timeout_per_answer_s
+        self.max_workers = host_workers() if workers == AUTO else workers
+        self._cost_said = False
         self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
 
+    def workers_for(self, answers: int) -> int:
+        if self.n_workers != AUTO:
+            return self.n_workers
+        return min(self.max_workers, max(1, math.ceil(answers / ANSWERS_PER_WORKER), len(self._workers)))
+
+    def budget_s(self, answers: int) -> float:
+        """One call's budget for `answers` checks, with the workers it runs on."""
+        return self.batch_timeout_s + self.timeout_per_answer_s * answers / max(1, self.workers_for(answers))
+
     def verify(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
         if self.n_workers == 0:
             return [self._verify_inline(r, ref) for r, ref in pairs]
-        if len(self._workers) < self.n_workers:
-            self._workers += [self._start() for _ in range(self.n_workers - len(self._workers))]
+        wanted = self.workers_for(len(pairs))
+        if len(self._workers) < wanted:
+            self._workers += [self._start() for _ in range(wanted - len(self._workers))]
         results: list[Verdict | None] = [None] * len(pairs)
         pending, busy = deque(range(len(pairs))), {}  # busy: worker index -> (task index, deadline)
-        budget_end = time.monotonic() + self.batch_timeout_s
+        budget = self.budget_s(len(pairs))
+        start = time.monotonic()
+        budget_end = start + budget
         while pending or busy:
             for w in range(len(self._workers)):
                 if w not in busy and pending:
@@ -143,11 +183,35 @@ class VerifierPool:
                     busy[w] = (task, min(time.monotonic() + self.timeout_s, budget_end))
             self._collect(busy, results)
             self._expire(busy, results)
-            if time.monotonic() >= budget_end:  # the batch's budget is spent: what is left timed out
+            if time.monotonic() >= budget_end and pending:  # the budget is spent: what is left is not checked
+                self._say_unchecked(len(pending), len(pairs), budget)
                 for task in pending:
-                    results[task] = Verdict(correct=False, timed_out=True)
+                    results[task] = Verdict(correct=False, timed_out=True, unchecked=True)
                 pending.clear()
+        self._say_cost(time.monotonic() - start, len(pairs))
         return results
+
+    def _say_cost(self, elapsed: float, answers: int) -> None:
+        """Once a run: checks that take most of what each answer adds to the budget leave no room (a verifier
+        slower than planned, or too few workers) before whole rounds run out of it."""
+        cost = elapsed * len(self._workers) / answers if answers >= 16 else 0.0
+        if self._cost_said or self.timeout_per_answer_s <= 0 or cost < 0.8 * self.timeout_per_answer_s:
+            return
+        self._cost_said = True
+        log.warning(
+            "verifier %s: a check takes %.3f s on average (%d answers in %.1f s on %d workers), near algorithm."
+            "reward.timeout_per_answer_s (%g): rounds may run out of their budget; raise it or the workers",
+            self.spec, cost, answers, elapsed, len(self._workers), self.timeout_per_answer_s,
+        )  # fmt: skip
+
+    def _say_unchecked(self, left: int, answers: int, budget: float) -> None:
+        log.warning(
+            "verifier %s: %d of %d answers were not checked within this call's budget of %.0f s (algorithm.reward."
+            "batch_timeout_s %g + timeout_per_answer_s %g x %d answers / %d workers); they count as wrong: raise "
+            "timeout_per_answer_s or algorithm.reward.workers",
+            self.spec, left, answers, budget, self.batch_timeout_s, self.timeout_per_answer_s, answers,
+            len(self._workers),
+        )  # fmt: skip
 
     def _collect(self, busy, results) -> None:
         next_deadline = min(deadline for _, deadline in busy.values())

@@ -111,10 +111,11 @@ class AgreedVerify:
         self.calls += 1
         if self.role.leader:
             verdicts = self.verify(pairs)
-            published = [[v.correct, v.timed_out, v.error, v.invalid] for v in verdicts]
+            published = [[v.correct, v.timed_out, v.error, v.invalid, v.unchecked] for v in verdicts]
             self.board.publish(key, json.dumps(published).encode())
             return verdicts
-        return [Verdict(bool(c), bool(t), e, i) for c, t, e, i in json.loads(self.role.read_once(self.board, key))]
+        read = json.loads(self.role.read_once(self.board, key))
+        return [Verdict(bool(c), bool(t), e, i, bool(u)) for c, t, e, i, u in read]
 
 
 class RoundControl:

@@ -69,6 +69,8 @@ class VerdictCheck:
 
     def _timeouts(self, verdicts: list[Verdict], where: str, answers: list[str] | None) -> None:
         for i, verdict in enumerate(verdicts):
+            if verdict.unchecked:  # the call's budget ran out (the pool said so): no sign the verifier hangs
+                continue
             if not verdict.timed_out:
                 self.timeouts_in_a_row = 0
                 continue

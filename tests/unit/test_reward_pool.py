@@ -52,3 +52,51 @@ def test_in_process_mode_needs_no_workers(pool_factory):
 def test_bad_verifier_specs_are_config_errors(spec, message):
     with pytest.raises(ConfigError, match=message):
         VerifierPool(spec)
+
+
+def test_a_large_batch_of_slow_checks_gets_time_per_answer_and_is_all_checked(pool_factory):
+    """40 checks of 0.1 s on one worker take 4 s: a fixed budget of 1 s cut 30 of them off (each counted as a
+    timed-out wrong answer, and 32 in a row stopped the run); the budget now grows with the answers."""
+    pool = pool_factory("tests.verifiers:slow_check", workers=1, batch_timeout_s=1.0, timeout_per_answer_s=0.2)
+    verdicts = pool.verify([("Answer: 1", "1")] * 40)
+    assert [v.correct for v in verdicts] == [True] * 40
+    assert pool.budget_s(40) == pytest.approx(1.0 + 0.2 * 40)
+
+
+def test_checks_that_take_most_of_their_share_of_the_budget_are_said_once(pool_factory, caplog):
+    pool = pool_factory("tests.verifiers:slow_check", workers=1, batch_timeout_s=1.0, timeout_per_answer_s=0.11)
+    pool.verify([("Answer: 1", "1")] * 16)
+    pool.verify([("Answer: 1", "1")] * 16)
+    assert caplog.text.count("a check takes 0.1") == 1 and "timeout_per_answer_s (0.11)" in caplog.text
+
+
+def test_answers_left_when_the_budget_runs_out_are_unchecked_and_not_taken_for_a_hung_verifier(pool_factory, caplog):
+    from dapo_mcore.rollout.user_functions import VerdictCheck
+
+    pool = pool_factory("tests.verifiers:slow_check", workers=1, batch_timeout_s=0.5, timeout_per_answer_s=0.0)
+    verdicts = pool.verify([("Answer: 1", "1")] * 60)
+    unchecked = [v for v in verdicts if v.unchecked]
+    assert 40 <= len(unchecked) < 60 and all(v.timed_out and not v.correct for v in unchecked)
+    assert f"{len(unchecked)} of 60 answers were not checked within this call's budget" in caplog.text
+    VerdictCheck(pool.verify)(verdicts, "test")  # 40+ in a row, yet no "timed out on 32 answers in a row" stop
+
+
+def test_auto_workers_grow_with_the_batch_up_to_the_hosts_share(pool_factory, monkeypatch):
+    from dapo_mcore.rewards import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "host_workers", lambda: 3)
+    pool = pool_factory("dapo", workers=pool_module.AUTO)
+    assert [pool.workers_for(n) for n in (1, 256, 257, 600, 10_000)] == [1, 1, 2, 3, 3]
+    assert [v.correct for v in pool.verify([("Answer: 2", "2")] * 600)] == [True] * 600
+    assert len(pool._workers) == 3
+
+
+def test_host_workers_share_the_nodes_cpus_among_its_gpu_processes(monkeypatch):
+    from dapo_mcore.rewards import pool as pool_module
+
+    monkeypatch.setattr(pool_module.os, "sched_getaffinity", lambda _: set(range(128)))
+    monkeypatch.setattr(pool_module.os, "cpu_count", lambda: 128)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pool_module.host_workers() == 15
+    monkeypatch.setattr(pool_module.os, "sched_getaffinity", lambda _: set(range(12)))  # bound: its own CPUs
+    assert pool_module.host_workers() == 11
