@@ -223,6 +223,8 @@ def _add_eval_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
+    from dapo_mcore.plan_time import DEFAULT_KEEP_RATE, DEFAULT_MEAN_LEN, DEFAULT_MFU  # plain arithmetic, no torch
+
     cmd = _command_parser(
         sub.add_parser, "plan", help="per-GPU memory of actor and engine for a config (no GPU needed)"
     )
@@ -231,6 +233,13 @@ def _add_plan_parser(sub) -> None:
     cmd.add_argument("--gpu-gb", type=_size, default=80.0, help="memory of one GPU in GiB (default 80: H100)")
     cmd.add_argument("--model-config", help="config.json or its directory, when model.hf_path has no weights yet")
     cmd.add_argument("--gpus", type=_count, help="GPUs of the job (default: WORLD_SIZE, SLURM_NTASKS, else 8)")
+    cmd.add_argument("--mean-len", type=_count, default=DEFAULT_MEAN_LEN,
+                     help=f"mean answer length the step-time estimate assumes (default {DEFAULT_MEAN_LEN}: late in "
+                     "a run; about 1000 at its start)")  # fmt: skip
+    cmd.add_argument("--keep-rate", type=_share, default=DEFAULT_KEEP_RATE,
+                     help=f"share of groups dynamic sampling keeps (default {DEFAULT_KEEP_RATE})")  # fmt: skip
+    cmd.add_argument("--mfu", type=_share, default=DEFAULT_MFU,
+                     help=f"the actor's model FLOPs utilisation (default {DEFAULT_MFU})")  # fmt: skip
     cmd.set_defaults(func=_plan)
 
 
@@ -348,9 +357,10 @@ def _installed_version() -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from dapo_mcore.plan import plan_command
+    from dapo_mcore.plan import Assumed, plan_command
 
-    return plan_command(args.config, args.overrides, args.gpu_gb, args.model_config, args.gpus)
+    assumed = Assumed(mean_len=args.mean_len, keep_rate=args.keep_rate, mfu=args.mfu)
+    return plan_command(args.config, args.overrides, args.gpu_gb, args.model_config, args.gpus, assumed)
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -51,6 +51,15 @@ from typing import Any, Literal
 
 from dapo_mcore.config import RunConfig, load_config, parse_override
 from dapo_mcore.config.model_spec import read_config_json, read_model_spec
+from dapo_mcore.plan_time import (
+    DEFAULT_KEEP_RATE,
+    DEFAULT_MEAN_LEN,
+    DEFAULT_MFU,
+    StepShape,
+    StepTime,
+    estimate,
+    format_step_time,
+)
 from dapo_mcore.utils.errors import ConfigError, LayoutError
 
 GIB = 1 << 30
@@ -239,6 +248,7 @@ class MemoryPlan:
     host_lines: tuple[Line, ...] = ()
     # Host memory a GPU's process takes while it saves a checkpoint, and while it resumes from one.
     save_lines: tuple[Line, ...] = ()
+    step_time: StepTime | None = None  # on GPUs with a vLLM / SGLang engine
 
     @property
     def peak(self) -> Phase:
@@ -292,14 +302,54 @@ class _Tokens:
     response: int  # response tokens of the largest micro-batch: the rows of the log-prob head
 
 
-def plan_memory(cfg: RunConfig, model_config: dict[str, Any], gpu_gb: float, gpus: int | None = None) -> MemoryPlan:
+@dataclass(frozen=True)
+class Assumed:
+    """What the step-time estimate cannot read from the recipe (dapo_mcore.plan_time)."""
+
+    mean_len: int = DEFAULT_MEAN_LEN
+    keep_rate: float = DEFAULT_KEEP_RATE
+    mfu: float = DEFAULT_MFU
+
+
+def plan_memory(
+    cfg: RunConfig, model_config: dict[str, Any], gpu_gb: float, gpus: int | None = None, assumed: Assumed = Assumed()
+) -> MemoryPlan:
     """The per-GPU memory of `cfg` on `gpus` GPUs (default: default_gpus()) of `gpu_gb` GiB each, with what
-    to change when it does not fit."""
+    to change when it does not fit, and the step's time estimated."""
     gpus = gpus or default_gpus()
     plan = _plan(cfg, model_config, gpu_gb, gpus)
+    plan = replace(plan, step_time=_step_time(cfg, ModelShape.from_hf(model_config), gpus, gpu_gb, plan, assumed))
     if plan.fits:
         return plan
     return replace(plan, suggestions=_suggestions(cfg, model_config, gpu_gb, gpus, plan))
+
+
+def _step_time(
+    cfg: RunConfig, shape: ModelShape, gpus: int, gpu_gb: float, plan: MemoryPlan, assumed: Assumed
+) -> StepTime | None:
+    lay = _layout(cfg, shape, gpus)
+    if not lay.on_gpu or plan.kv is None:
+        return None
+    ro, b = cfg.rollout, _DTYPE_BYTES[cfg.model.dtype]
+    inactive = shape.moe_layers * shape.expert_params(1, 1) * (1 - shape.topk / max(shape.experts, 1))
+    keep = assumed.keep_rate if cfg.algorithm.dynamic_sampling.enabled else 1.0
+    step = StepShape(
+        answers=ro.prompts_per_step * ro.n_samples_per_prompt,
+        mean_prompt=_tokens(cfg, shape, lay).prompt / 2,
+        mean_len=min(assumed.mean_len, ro.sampling.max_response_len),
+        keep_rate=keep,
+        replicas=lay.replicas,
+        kv_tokens=plan.kv.tokens,
+        engine_weight_bytes=shape.total_params() * b / lay.engine_tp,
+        kv_bytes_per_token=shape.kv_bytes_per_token(lay.engine_tp, b),
+        active_params=shape.total_params() - inactive,
+        layers=shape.layers,
+        attention_width=shape.q,
+        gpus=gpus,
+        gpu_gb=gpu_gb,
+        mfu=assumed.mfu,
+    )  # fmt: skip
+    return estimate(step)
 
 
 def default_gpus() -> int:
@@ -783,6 +833,7 @@ def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
         host = sum(line.bytes for line in plan.host_lines)
         out += [f"  {'total':<38}{host / GIB:>8.2f} GiB; x the GPUs of a node (8: {8 * host / GIB:.0f} GiB)", ""]
     out += _save_summary(plan)
+    out += [format_step_time(plan.step_time), ""] if plan.step_time is not None else []
     out += [f"note: {note}" for note in plan.notes]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"{verdict}: peak {plan.peak.total / GIB:.1f} GiB ({plan.peak.name}) of {plan.gpu_bytes / GIB:g} GiB")
@@ -912,12 +963,18 @@ def checkpoint_bytes(model_config: dict[str, Any], dtype: str) -> int:
 
 
 def plan_command(
-    config_path: str, overrides: list[str], gpu_gb: float, model_config: str | None, gpus: int | None = None
+    config_path: str,
+    overrides: list[str],
+    gpu_gb: float,
+    model_config: str | None,
+    gpus: int | None = None,
+    assumed: Assumed = Assumed(),
 ) -> int:
-    """`dapo-mcore plan CONFIG [overrides] [--gpu-gb 80] [--model-config DIR] [--gpus N]`: print the per-GPU
-    memory plan; 0 if it fits, 1 if not."""
+    """`dapo-mcore plan CONFIG [overrides] [--gpu-gb 80] [--model-config DIR] [--gpus N] [--mean-len N]
+    [--keep-rate F] [--mfu F]`: print the per-GPU memory plan and the step-time estimate; 0 if it fits, 1 if
+    not."""
     cfg = load_config(config_path, overrides)
-    plan = plan_memory(cfg, read_model_config(model_config, cfg.model.hf_path), gpu_gb, gpus)
+    plan = plan_memory(cfg, read_model_config(model_config, cfg.model.hf_path), gpu_gb, gpus, assumed)
     print(format_plan(plan, gpus_from="--gpus" if gpus else _gpus_source()))
     return 0 if plan.fits else 1
 
