@@ -289,9 +289,11 @@ class JobClock:
 
 
 def watch_time_limit(enabled: bool, margin_s: float, save_bytes: int, environ: Mapping[str, str] = os.environ,
-                     now: Callable[[], float] = time.time) -> str | None:  # fmt: skip
+                     now: Callable[[], float] = time.time, steps_before: list[float] = ()) -> str | None:  # fmt: skip
     """At the start of a run (every rank; `enabled` on rank 0 alone): watch the job's end from here on. Returns
-    the line to log, or None (off, not in a Slurm job, or a job without a time limit)."""
+    the line to log, or None (off, not in a Slurm job, or a job without a time limit). `steps_before`: the times
+    of the run's last steps before this attempt (a resume's metrics.jsonl), so that its first boundary already
+    knows what a step takes (an attempt that cannot fit one is told at once: no_step_fits)."""
     _state.job_clock, _state.warning_deferred = None, False
     job_end = job_end_time(environ) if enabled else None
     if job_end is None:
@@ -299,9 +301,21 @@ def watch_time_limit(enabled: bool, margin_s: float, save_bytes: int, environ: M
     start = now()
     job_id = environ.get("SLURM_JOB_ID", "")
     _state.job_clock = JobClock(job_end, margin_s, save_estimate_s(save_bytes), lambda: squeue_end_time(job_id), start)
+    _state.job_clock.steps.extend(steps_before)
     return (
         f"job ends at {_clock_time(job_end, '%H:%M')} (in {(job_end - start) / 60:.0f} min); stopping and saving "
         "by itself when a step + save no longer fit"
+    )
+
+
+def no_step_fits(reason: str) -> str:
+    """The time-limit stop at an attempt's first boundary: nothing would be trained and saved by any attempt of
+    this length, so a stop-and-requeue would repeat for ever. The one line that ends the run instead."""
+    return (
+        f"stopping before the first step of this attempt: {reason}, and nothing is trained yet, so every attempt "
+        "of this job's length would end the same way; resubmit with a longer --time (`dapo-mcore plan` estimates "
+        "a step; the last steps' times are in metrics.jsonl, time/step_s), or set checkpoint.stop_before_time_limit"
+        "=false to try the step anyway"
     )
 
 

@@ -8,6 +8,7 @@ engine.update_weights <- weight export (TP/PP gather -> HF names -> buckets) <- 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -27,11 +28,14 @@ from dapo_mcore.config.model_spec import load_hf_config
 from dapo_mcore.data.batching import mini_batch_ranges
 from dapo_mcore.data.types import Sample
 from dapo_mcore.launch import (
+    RECENT_STEPS,
+    TIME_LIMIT_REASON,
     StoppedToResume,
     agreed_stop,
     cancel_grace,
     configure_stop,
     mark_saved_stop,
+    no_step_fits,
     note_save,
     stops_at_once,
     watch_time_limit,
@@ -40,7 +44,7 @@ from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.rollout.samples_log import SAMPLES_DIR, log_step_samples
-from dapo_mcore.utils.errors import CheckpointError, MismatchError
+from dapo_mcore.utils.errors import CheckpointError, DapoError, MismatchError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
@@ -68,13 +72,14 @@ def train(cfg: RunConfig) -> TrainOutcome:
         watch_job_end(run)
         first_step = restore(run)
         saved_step = first_step if run.resume is not None else None
+        attempt_start = first_step
         push_weights(run, first=True)  # the engines sample from the actor's weights from the first step on
         with run.progress:
             run.progress.resume_at(first_step)
             if first_step == 0:
                 report_held_out_before_training(run)
             for step in range(first_step + 1, cfg.trainer.steps + 1):
-                stop_if_signalled(run, step - 1, saved_step)
+                stop_if_signalled(run, step - 1, saved_step, attempt_start)
                 note_step(step)
                 with phase_scope("step"):
                     metrics = rl_step(run, step - 1)
@@ -120,12 +125,29 @@ def watch_job_end(run: Run) -> None:
     (launch.watch_time_limit); its stop comes out of stop_if_signalled like a signal's."""
     ck, enabled = run.cfg.checkpoint, run.cfg.checkpoint.stop_before_time_limit and run.ctx.rank == 0
     save_bytes = checkpoint_bytes(load_hf_config(run.cfg.model.hf_path), run.cfg.model.dtype) if enabled else 0
-    line = watch_time_limit(enabled, ck.time_limit_margin_s, save_bytes)
+    steps_before = recent_step_times(run.run_dir) if enabled and run.resume is not None else []
+    line = watch_time_limit(enabled, ck.time_limit_margin_s, save_bytes, steps_before=steps_before)
     if line:
         log.info(line)
 
 
-def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
+def recent_step_times(run_dir: Path) -> list[float]:
+    """time/step_s of the run's last logged steps (metrics.jsonl), for the first boundary of a resumed attempt."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    times = []
+    for line in path.read_text().splitlines()[-RECENT_STEPS:]:
+        try:
+            seconds = json.loads(line).get("time/step_s")
+        except (ValueError, AttributeError):  # a damaged line: plot and resume report it, not this
+            continue
+        if isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0:
+            times.append(float(seconds))
+    return times
+
+
+def stop_if_signalled(run: Run, next_step: int, saved_step: int | None, attempt_start: int = -1) -> None:
     """At a step boundary, `next_step` updates done: when any rank got SIGUSR1 / SIGTERM, save what was trained
     since the newest save and raise StoppedToResume on every rank (the CLI exits 75; slurm/train.sbatch
     re-queues on it)."""
@@ -136,6 +158,8 @@ def stop_if_signalled(run: Run, next_step: int, saved_step: int | None) -> None:
         raise KeyboardInterrupt
     if signal_name := stops_at_once(reason):  # as SIGINT: a Terminated dropped on some rank
         raise Terminated(signal_name)
+    if next_step == attempt_start and reason.startswith(TIME_LIMIT_REASON):
+        raise DapoError(no_step_fits(reason))  # exit 2: the batch script does not re-queue it
     cancel_grace()
     trained_since_save = next_step != (saved_step if saved_step is not None else 0)
     path = save(run, next_step) if trained_since_save else None

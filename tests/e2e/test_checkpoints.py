@@ -244,3 +244,17 @@ def test_eval_takes_a_run_directory_and_converts_its_newest_save(reference, tmp_
     results = json.loads(out.read_text())
     assert results["converted_from"] == str(reference / "checkpoints" / "step_000006")
     assert results["files"]["examples/data/sums.jsonl"]["problems"] == 20
+
+
+def test_an_attempt_whose_job_ends_before_a_step_and_a_save_stops_at_once_instead_of_requeueing(tmp_path):
+    """Under Slurm a resumed attempt knows what a step takes (metrics.jsonl): when the job ends before one step
+    and a save could, it says so in one line and exits 2, which the batch script does not re-queue. (It stopped
+    with nothing saved and exit 75: re-queued, to stop the same way, for ever.)"""
+    run_dir = tmp_path / "run"
+    cli(*train_args(run_dir, "trainer.steps=2"))
+    job = {"SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time()) + 60)}  # 60 s < margin 120 s
+    proc = run_warm(train_args(run_dir, "trainer.steps=4", "checkpoint.resume=auto"), {**cli_env(), **job}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "stopping before the first step of this attempt: the job's time limit (a step of up to" in proc.stderr
+    assert "resubmit with a longer --time" in proc.stderr and "Traceback" not in proc.stderr
+    assert [row["step"] for row in read_rows(run_dir)] == [1, 2]  # nothing trained, nothing lost
