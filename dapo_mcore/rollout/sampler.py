@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
-from dapo_mcore.config.schema import AlgorithmConfig, RolloutConfig
 from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict, token_tensor, value_tensor
@@ -44,50 +43,13 @@ from dapo_mcore.rollout.partial import (
 )
 from dapo_mcore.rollout.placement import ReplicaSplit
 from dapo_mcore.rollout.scoring import GroupScoring
+from dapo_mcore.rollout.settings import SamplerSettings
 from dapo_mcore.utils.errors import CheckpointError, DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer, phase_scope
 
 log = get_logger(__name__)
-_ALGO = AlgorithmConfig()
-_ROLLOUT = RolloutConfig()
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    n_samples_per_prompt: int
-    prompts_per_step: int
-    gen_prompts_per_round: int
-    temperature: float
-    top_p: float
-    max_response_len: int
-    seed: int
-    # The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
-    reward_correct: float = _ALGO.reward.correct
-    reward_wrong: float = _ALGO.reward.wrong
-    adv_estimator: str = _ALGO.advantage.estimator
-    adv_eps: float = _ALGO.advantage.eps
-    adv_batch_normalize: bool = _ALGO.advantage.batch_normalize
-    overlong_enabled: bool = _ALGO.overlong.enabled
-    overlong_buffer_len: int = _ALGO.overlong.buffer_len
-    overlong_penalty_factor: float = _ALGO.overlong.penalty_factor
-    overlong_filter: bool = _ALGO.overlong.filter_truncated
-    length_penalty: bool = _ALGO.length_penalty.enabled
-    length_penalty_coef: float = _ALGO.length_penalty.coef
-    length_penalty_safe_len: int = _ALGO.length_penalty.safe_len
-    length_penalty_max_len: int = _ALGO.length_penalty.max_len
-    dynamic_sampling: bool = _ALGO.dynamic_sampling.enabled
-    carry_surplus: bool = _ROLLOUT.carry_surplus
-    partial_rollout: bool = _ROLLOUT.partial_rollout
-    partial_oversample: float = _ROLLOUT.partial_oversample
-    partial_max_staleness: int = _ROLLOUT.partial_max_staleness
-    mode: str = _ALGO.dynamic_sampling.mode
-    max_rounds: int = _ALGO.dynamic_sampling.max_rounds
-    on_cap: str = _ALGO.dynamic_sampling.on_cap
-    adaptive: bool = _ALGO.dynamic_sampling.adaptive
-    adaptive_min_prompts: int = _ALGO.dynamic_sampling.adaptive_min_prompts
-    adaptive_max_prompts: int = _ALGO.dynamic_sampling.adaptive_max_prompts
 
 
 @dataclass

@@ -6,7 +6,6 @@ algorithms (synchronous, partial) generate; this decides what their groups are w
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,10 +13,8 @@ from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.data.types import Group
 from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.rollout.settings import SamplerSettings
 from dapo_mcore.rollout.user_functions import VerdictCheck, kept_by, verified
-
-if TYPE_CHECKING:  # the sampler imports this module
-    from dapo_mcore.rollout.sampler import SamplerSettings
 
 
 class GroupScoring:
