@@ -68,6 +68,14 @@ class SampleSummary:
         return math.prod(self.routing_shape) if self.routing_shape else 0
 
 
+# The fields a summary carries as the sample holds them (the rest are converted: lengths, runs, text, shape):
+# listed once, copied both ways by summarize and _sample.
+VERBATIM_FIELDS = (
+    "finish_reason", "correct", "timed_out", "verify_error", "length_penalty", "reward", "trainable", "policy_step",
+    "routing_dropped",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GroupSummary:
     prompt: Prompt
@@ -92,18 +100,10 @@ def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> Gro
     samples = tuple(
         SampleSummary(
             response_len=len(s.response_ids),
-            finish_reason=s.finish_reason,
-            correct=s.correct,
-            timed_out=s.timed_out,
-            verify_error=s.verify_error,
-            length_penalty=s.length_penalty,
-            reward=s.reward,
-            trainable=s.trainable,
-            policy_step=s.policy_step,
             version_runs=tuple((v, n) for v, n in s.version_runs),
             text="" if whole or not s.finished else s.response_text,
             routing_shape=tuple(s.routed_experts.shape) if s.routed_experts is not None else (),
-            routing_dropped=s.routing_dropped,
+            **{name: getattr(s, name) for name in VERBATIM_FIELDS},
         )
         for s in group.samples
     )
@@ -286,15 +286,7 @@ def _sample(s: SampleSummary, prompt_ids, response_ids, logprobs) -> Sample:
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         rollout_logprobs=logprobs,
-        finish_reason=s.finish_reason,
         response_text=s.text,
-        policy_step=s.policy_step,
         version_runs=[[v, n] for v, n in s.version_runs],
-        correct=s.correct,
-        timed_out=s.timed_out,
-        verify_error=s.verify_error,
-        length_penalty=s.length_penalty,
-        reward=s.reward,
-        trainable=s.trainable,
-        routing_dropped=s.routing_dropped,
+        **{name: getattr(s, name) for name in VERBATIM_FIELDS},
     )

@@ -258,3 +258,25 @@ def test_only_kept_groups_wait_for_the_exchange():
     assert kept and all(0 < g.accuracy < 1 for g in kept) and len(kept) < 8
     s.next_batch(0, PhaseTimer())
     assert s._local == {}
+
+
+def test_every_summary_field_is_copied_verbatim_or_converted_and_survives_the_round_trip():
+    """The summary's fields are listed once (exchange.VERBATIM_FIELDS) and copied both ways: a field added to
+    SampleSummary but to neither list, or missing from Sample, is caught here, not by a silently default value."""
+    import dataclasses
+
+    from dapo_mcore.data.types import Prompt, Sample
+    from dapo_mcore.rollout import exchange
+
+    converted = {"response_len", "version_runs", "text", "routing_shape"}
+    names = {f.name for f in dataclasses.fields(exchange.SampleSummary)}
+    assert names == set(exchange.VERBATIM_FIELDS) | converted
+    sample = Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "length", policy_step=7)
+    values = {"correct": True, "timed_out": True, "verify_error": True, "length_penalty": -0.5, "reward": 0.25,
+              "trainable": False, "routing_dropped": True}  # fmt: skip
+    for name, value in values.items():
+        setattr(sample, name, value)
+    summary = exchange.summarize(exchange.Group(Prompt("p", "1"), [sample]), True, 0, (0, 0))
+    back = exchange._hollow_group(summary).samples[0]
+    for name in exchange.VERBATIM_FIELDS:
+        assert getattr(back, name) == getattr(sample, name), name
