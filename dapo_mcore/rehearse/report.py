@@ -292,6 +292,11 @@ class Rehearsal:
             f"- each process: one actor DP rank and one synthetic engine replica, {self.steps} step(s)"
             + (", a save and its resume (a second launch)" if self.saves else ", no save"),
         ]
+        if s.expert_parallel > 1:
+            lines.append(
+                f"- experts: the recipe's EP {s.expert_parallel}, rehearsed at the largest EP that divides it and N "
+                "(at N=2: EP 2), with the recipe's micro-batches"
+            )
         if self.mode == "per-rank":
             lines.append(f"- per-rank load: {self.load:.3g} x one recipe rank's share (the same at every N)")
         if self.micro_batches:

@@ -49,6 +49,13 @@ class RecipeShape:
     mini_batch_size: int  # answers per optimizer update
     max_response_len: int
     micro_batch_size: int = 1  # the smallest mini-batch the trainer takes
+    expert_parallel: int = 1  # the recipe's EP
+
+    def expert_parallel_at(self, world: int) -> int:
+        """The EP a rehearsal of `world` processes runs (each one DP rank at TP 1): the largest that divides both
+        the recipe's and the world, so that the expert all-to-alls and the equal micro-batch counts across an EP
+        group that they need are exercised as in the recipe."""
+        return math.gcd(self.expert_parallel, world)
 
     @classmethod
     def of(cls, cfg: RunConfig, gpus: int) -> RecipeShape:
@@ -69,6 +76,7 @@ class RecipeShape:
             cfg.trainer.mini_batch_size,
             ro.sampling.max_response_len,
             cfg.trainer.micro_batch_size,
+            par.expert_model_parallel_size,
         )
 
     @property
@@ -150,7 +158,14 @@ def shrink_model(hf: dict[str, Any], out_dir: Path, positions: int = 0) -> Path:
 
 
 def rehearsal_overrides(
-    counts: Counts, model_dir: Path, run_dir: Path, mean_len: float, steps: int, micro_batches: int, save: bool = True
+    counts: Counts,
+    model_dir: Path,
+    run_dir: Path,
+    mean_len: float,
+    steps: int,
+    micro_batches: int,
+    save: bool = True,
+    expert_parallel: int = 1,
 ) -> list[str]:
     """What turns the recipe into the rehearsal (after the user's overrides of the recipe: command.py)."""
     return [
@@ -170,7 +185,7 @@ def rehearsal_overrides(
         "parallel.pipeline_model_parallel_size=1",
         "parallel.virtual_pipeline_model_parallel_size=1",
         "parallel.sequence_parallel=false",
-        "parallel.expert_model_parallel_size=1",
+        f"parallel.expert_model_parallel_size={expert_parallel}",
         "rollout.engine_tp_size=1",
         "rollout.offload_actor=false",
         "optimizer.cpu_offload=false",

@@ -235,3 +235,13 @@ def test_a_small_per_rank_load_keeps_mini_batches_the_trainer_takes():
     counts = per_rank_counts(shape, 2, load=0.02)
     assert counts.mini_batch_size >= cfg.trainer.micro_batch_size
     assert counts.mini_batch_size <= counts.prompts_per_step * shape.answers_per_prompt
+
+
+def test_a_moe_recipe_is_rehearsed_at_the_largest_expert_parallel_its_processes_allow(tmp_path):
+    """The 30B-A3B recipe's EP 8: EP 2 on 2 processes, 4 on 4, 8 on 8 (it was always 1, so the expert
+    all-to-alls and the equal micro-batch counts an EP group needs were never rehearsed)."""
+    cfg = load_config(str(REPO / "examples/dapo_qwen3_30b_a3b_h100.yaml"), [])
+    shape = RecipeShape.of(cfg, 8)
+    assert [shape.expert_parallel_at(n) for n in (2, 4, 8, 6)] == [2, 4, 8, 2]
+    overrides = rehearsal_overrides(full_counts(shape, 2), tmp_path, tmp_path / "run", 2048, 1, 1, True, 2)
+    assert "parallel.expert_model_parallel_size=2" in overrides
