@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from array import array
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from dapo_mcore.data.types import routing_tensor
+from dapo_mcore.data.types import NO_EXPERT, routing_tensor
 from dapo_mcore.rollout.base import (
     AnswerRequest,
     Completion,
@@ -30,8 +31,7 @@ from dapo_mcore.rollout.base import (
     RoutingUnavailable,
     SamplingParams,
     SleepState,
-    answer_completion,
-    request_seeds,
+    generate_by_answers,
     routing_unavailable,
     step_poll,
 )
@@ -97,30 +97,28 @@ class VLLMEngine:
         return cls(llm, settings)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        from vllm.inputs import TokensPrompt
+        # n requests a prompt, request j seeded seed + j as vLLM seeds a request's n answers (parallel_sampling):
+        # the same answers as LLM.generate's, each converted as it ends, where LLM.generate keeps every vLLM
+        # output of the call until its last answer ends
+        return generate_by_answers(self, prompt_ids, params)
 
-        requests = [
-            self._sampling(params, params.n, params.max_new_tokens, seed)
-            for seed in request_seeds(params, len(prompt_ids))
-        ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], requests, use_tqdm=False
-        )
-        return [[self._completion(out) for out in request.outputs] for request in outputs]
-
-    def _sampling(self, params: SamplingParams, n: int, max_new_tokens: int, seed: int, **extra):
+    def _sampling(self, params: SamplingParams, max_new_tokens: int, seed: int, **extra):
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
-            n=n,
+            n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=-1,
             max_tokens=max_new_tokens,
             stop_token_ids=self.stop_ids,
             logprobs=0,  # the sampled token's log-prob only
+            # vLLM keeps a live request's log-probs in a few flat lists, not a dict and a Logprob a token
+            flat_logprobs=True,
+            # no text, nor a decoded string a log-prob, built token by token: each answer's text is decoded
+            # once as it ends (_RoundAnswers)
+            detokenize=False,
             seed=seed,
-            skip_special_tokens=True,
             **extra,
         )
 
@@ -135,44 +133,22 @@ class VLLMEngine:
         engine, self._round = self.llm.llm_engine, self._round + 1
         ids = [f"dapo-{self._round}-{i}" for i in range(len(requests))]
         for request_id, r in zip(ids, requests):
-            sampling = self._sampling(params, 1, r.max_new_tokens, r.seed, output_kind=RequestOutputKind.DELTA)
+            sampling = self._sampling(params, r.max_new_tokens, r.seed, output_kind=RequestOutputKind.DELTA)
             engine.add_request(
                 request_id, TokensPrompt(prompt_token_ids=r.prompt_ids + list(r.answer_prefix)), sampling
             )
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[float]] = [[] for _ in requests]
-        reasons: list[str | None] = [None] * len(requests)
-        routed: list[torch.Tensor | None] = [None] * len(requests)
-        stopped, poll = False, step_poll(on_finished)
+        answers, stopped, poll = _RoundAnswers(self.tokenizer, requests, ids), False, step_poll(on_finished)
         try:
             while not stopped and engine.has_unfinished_requests():
-                for out in engine.step():
-                    i, delta = index[out.request_id], out.outputs[0]
-                    tokens[i] += delta.token_ids
-                    logprobs[i] += [step[token].logprob for step, token in zip(delta.logprobs, delta.token_ids)]
-                    if out.finished:  # the routing arrives whole with the last delta
-                        reasons[i] = _finish_reason(delta.finish_reason)
-                        routed[i] = _routed_experts(delta)
-                        answer = answer_completion(
-                            self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i], routed[i]
-                        )
-                        if not stopped:  # the answers ending in the same step are kept, untold
-                            stopped = bool(on_finished(i, answer))
+                for i, answer in answers.take(engine.step()):  # the answers that ended at this step
+                    if not stopped:  # the answers ending in the same step are kept, untold
+                        stopped = bool(on_finished(i, answer))
                 stopped = stopped or bool(poll())  # every TP rank polls after the same steps
         finally:  # stopped, or failed: nothing of this round may stay in the engine
-            unfinished = [request_id for request_id, reason in zip(ids, reasons) if reason is None]
+            unfinished = answers.unfinished()
             if unfinished:
                 engine.abort_request(unfinished)
-        return [
-            answer_completion(self.tokenizer, r, t, lp, reason or "abort", routing)
-            for r, t, lp, reason, routing in zip(requests, tokens, logprobs, reasons, routed)
-        ]
-
-    def _completion(self, out) -> Completion:
-        tokens = list(out.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
-        return Completion(tokens, logprobs, _finish_reason(out.finish_reason), out.text, _routed_experts(out))
+        return answers.completions()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.sleep.wake(lambda tags: self.llm.wake_up(tags=tags), only=("weights",))  # KV cache: at resume
@@ -200,11 +176,73 @@ class VLLMEngine:
                 remove_cpu_shared_memory()
 
 
+class _RoundAnswers:
+    """A round's answers as vLLM streams them (DELTA outputs). A live answer's tokens and sampled log-probs go to
+    4-byte arrays; as it ends it becomes its Completion (int32 / float32 tensors, its text decoded once), so that
+    nothing of vLLM's outputs is kept past the step that brought it: at the paper's scale (8,192 answers of up to
+    20k tokens a round, on every TP rank of an engine) vLLM's per-token objects would be tens of GB a node."""
+
+    def __init__(self, tokenizer, requests: list[AnswerRequest], request_ids: list[str]):
+        self.tokenizer, self.requests, self.request_ids = tokenizer, requests, request_ids
+        self.index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self.live = {i: (array("i"), array("f")) for i in range(len(requests))}
+        self.done: list[Completion | None] = [None] * len(requests)
+
+    def take(self, outputs) -> Iterator[tuple[int, Completion]]:
+        """Appends each output's new tokens; yields (index, completion) of each answer that ended. A generator,
+        so that no output stays referenced once the step's are read."""
+        for out in outputs:
+            i, delta = self.index[out.request_id], out.outputs[0]
+            tokens, logprobs = self.live[i]
+            tokens.extend(delta.token_ids)
+            logprobs.extend(_sampled_logprobs(delta.logprobs, delta.token_ids))
+            if out.finished:  # the routing arrives whole with the last delta
+                self.done[i] = self._completion(i, _finish_reason(delta.finish_reason), _routed_experts(delta))
+                yield i, self.done[i]
+
+    def unfinished(self) -> list[str]:
+        return [self.request_ids[i] for i in self.live]
+
+    def completions(self) -> list[Completion]:
+        """Every request's completion: the unfinished ones (a stopped round) as aborted with their tokens so far."""
+        return [self.done[i] or self._completion(i, "abort", None) for i in range(len(self.requests))]
+
+    def _completion(self, i: int, reason: str, routed: torch.Tensor | None) -> Completion:
+        tokens, logprobs = self.live.pop(i)
+        # the whole answer's text: a continued answer's earlier tokens too
+        text = self.tokenizer.decode([*self.requests[i].answer_prefix, *tokens], skip_special_tokens=True)
+        return Completion(_tensor(tokens), _tensor(logprobs), reason, text, routed)
+
+
+def _tensor(values: array) -> torch.Tensor:
+    """An array's values as a tensor of its type (i: int32, f: float32), copied out of its buffer (which may grow
+    no more once it is shared; np.array takes an empty one too, torch.frombuffer does not)."""
+    return torch.from_numpy(np.array(values))
+
+
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs of a delta. At logprobs=0 vLLM's FlatLogprobs holds one entry a position, the
+    sampled token's, in plain lists: read them there rather than through a dict and a Logprob built per token;
+    a list of dicts (a vLLM that ignores flat_logprobs) is read per token."""
+    if getattr(logprobs, "token_ids", None) == list(token_ids):
+        return logprobs.logprobs
+    return [step[token].logprob for step, token in zip(logprobs, token_ids)]
+
+
 def _routed_experts(out) -> torch.Tensor | None:
-    """vLLM's routed experts of a finished answer ([prompt + new tokens - 1, layers, k], uint8 or uint16;
-    zeros in dense layers) as the engine contract's uint8; None when not asked for."""
+    """vLLM's routed experts of a finished answer ([prompt + new tokens - 1, layers, k], uint8, or uint16 past 256
+    experts; zeros in dense layers) as the engine contract's uint8; None when not asked for. vLLM's uint8 array is
+    its own (concatenated for this answer) and is taken as it is: 384 bytes a token at 30B-A3B, which a widening
+    to int64 would make 3 kB."""
     routed = getattr(out, "routed_experts", None)
-    return None if routed is None else routing_tensor(torch.from_numpy(np.asarray(routed).astype(np.int64)))
+    if routed is None:
+        return None
+    experts = np.asarray(routed)
+    if experts.dtype.kind != "u":  # signed: negative ids mean none (routing_tensor maps them)
+        return routing_tensor(torch.from_numpy(experts))
+    if experts.size and int(experts.max()) >= NO_EXPERT:
+        raise ValueError(f"expert id {int(experts.max())} does not fit the routing's uint8 (ids 0-{NO_EXPERT - 1})")
+    return torch.from_numpy(experts.astype(np.uint8, copy=False))
 
 
 def _finish_reason(reason: str | None) -> str:
