@@ -81,8 +81,8 @@ class EngineSettings:
 
 @dataclass
 class Completion:
-    # Lists from an adapter; 1-D int32 / float32 tensors once rollout/guard.py has checked them (what the
-    # trainer gets from every engine).
+    # Lists, or 1-D int32 / float32 tensors (vLLM's adapter converts each answer as it ends), from an adapter;
+    # tensors once rollout/guard.py has checked them (what the trainer gets from every engine).
     token_ids: TokenIds
     # log p(token) under the sampling distribution: log_softmax(logits / temperature), top-p not applied.
     logprobs: Values

@@ -27,13 +27,18 @@ The same in 0.26.0, 0.32.0 and 0.33.0 (source, and CPU for the first two), so ca
 LLM(model, dtype, seed, load_format, tensor_parallel_size, enable_prefix_caching, logprobs_mode, enforce_eager,
 enable_sleep_mode, disable_log_stats, distributed_executor_backend="external_launcher", kv_cache_memory_bytes,
 enable_chunked_prefill, gpu_memory_utilization, enable_return_routed_experts, max_num_batched_tokens,
-max_model_len); SamplingParams(n, temperature, top_p, top_k, max_tokens, stop_token_ids, logprobs, seed,
-skip_special_tokens, output_kind); vllm.inputs.TokensPrompt; vllm.sampling_params.RequestOutputKind.DELTA;
-LLM.generate / get_tokenizer / collective_rpc("reload_weights", kwargs={"weights_iterator": ...}) / sleep(level)
+max_model_len); SamplingParams(n, temperature, top_p, top_k, max_tokens, stop_token_ids, logprobs, flat_logprobs,
+detokenize, seed, output_kind) (flat_logprobs and detokenize: also source 0.27.1-0.31.0); a delta's logprobs at
+logprobs=0 with flat_logprobs, a FlatLogprobs whose token_ids and logprobs lists hold one entry a position (read
+directly; a list of dicts is read too); a request's n answers seeded seed + index (parallel_sampling, which
+generate reproduces with n requests); CompletionOutput.routed_experts, an array of the answer's own
+(np.concatenate), uint8 up to 256 experts, else uint16; vllm.inputs.TokensPrompt;
+vllm.sampling_params.RequestOutputKind.DELTA;
+LLM.get_tokenizer / collective_rpc("reload_weights", kwargs={"weights_iterator": ...}) / sleep(level)
 / wake_up(tags) (returns None in 0.26, a bool later: unused) / reset_prefix_cache; llm_engine.add_request (0.33
 adds keywords only) / step / abort_request / has_unfinished_requests / engine_core.shutdown (0.33's also destroys
 the TP/PP groups under external_launcher: the adapter's destroy_model_parallel after a failed start is then a
-no-op); CompletionOutput.routed_experts; the reload logger "vllm.model_executor.model_loader.reload.layerwise"
+no-op); the reload logger "vllm.model_executor.model_loader.reload.layerwise"
 and its "%s: Failed to load weights" record; vllm.distributed.parallel_state.destroy_model_parallel and _WORLD;
 the environment variables VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_CPU_OMP_THREADS_BIND, VLLM_LOGGING_LEVEL. vLLM reads
 its VLLM_* variables once its first engine has started (all three): the adapter sets them before that.
