@@ -520,7 +520,8 @@ def _host_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -
 def _save_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[Line, ...]:
     """A save copies what the rank writes to host memory (Megatron's torch_dist writer; an async save stages it
     all at once): its optimizer share (fp32 master + Adam moments, 12 B a parameter) and the weights it writes
-    (the first DP rank writes a replicated tensor). checkpoint.optimizer_format=fully_reshardable also gathers
+    (a fully parallel save: each weight the DP ranks share is written by one of them, about 1 / DP of the weights
+    a rank). checkpoint.optimizer_format=fully_reshardable also gathers
     the DP group's whole optimizer state on the group's first rank (gloo: host memory), and every rank of the
     group reads that whole state back at a resume."""
     if cfg.checkpoint.save_interval <= 0:
@@ -529,13 +530,19 @@ def _save_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -
     sharded, shard = _optimizer_shard(cfg, shape, lay, pp_rank)
     b, p = _DTYPE_BYTES[cfg.model.dtype], f"{_count(params)} params"
     own = Line("save: the rank's optimizer share", sharded * 12, f"{_count(sharded)} params {shard} x 12 B")
-    weights = Line("save: weights (the first DP rank)", params * b, f"{p} x {b} B")
+    # one copy of each weight over the ranks that hold it: the dense ones over DP, the experts over expert DP
+    experts = _stage_expert_params(shape, lay, pp_rank)
+    written = (params - experts) / lay.dp + experts / lay.expert_dp
+    split = f"/ DP {lay.dp}" if not experts else f"(dense / DP {lay.dp} + experts / expert DP {lay.expert_dp})"
+    weights = Line("save: the weights it writes", written * b, f"{p} {split} x {b} B (fully parallel)")
+    # a fully parallel load: each weight the DP ranks share is read by one of them and broadcast to the others
+    read_weights = Line("resume: the weights it reads", written * b, f"{p} {split} x {b} B")
     if cfg.checkpoint.optimizer_format == "dp_reshardable":
         read = Line("resume: the rank's optimizer share", sharded * 12, "read into place (a tensor at a time)")
-        return own, weights, read
+        return own, weights, read, read_weights
     gathered = Line("save: the DP group's gathered state", params * 12, f"{p} x 12 B (fully_reshardable)")
     read = Line("resume: the DP group's whole state", params * 12, f"{p} x 12 B, on every rank (fully_reshardable)")
-    return own, weights, gathered, read
+    return own, weights, gathered, read, read_weights
 
 
 def _optimizer_shard(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:

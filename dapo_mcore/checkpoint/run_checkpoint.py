@@ -183,8 +183,11 @@ class CheckpointManager:
             },
         }
         finish = functools.partial(self._complete, tmp, final, start)
+        strategy = self._save_strategy()
         if self._async_queue is not None and background:
-            request = dist_checkpointing.save(state, str(tmp), validate_access_integrity=False, async_sharded_save=True)
+            request = dist_checkpointing.save(
+                state, str(tmp), strategy, validate_access_integrity=False, async_sharded_save=True
+            )
             request.add_finalize_fn(finish)
             self._async_queue.schedule_async_request(request)
             self._writing = (tmp, final)
@@ -192,11 +195,28 @@ class CheckpointManager:
         else:
             self._replace_dead_manager()  # died since the step boundary: the save would fail on its queue
             try:
-                dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
+                dist_checkpointing.save(state, str(tmp), strategy, validate_access_integrity=False)
                 finish()
             except (Exception, CheckpointException) as err:  # a full disk, an I/O error (on any rank)
                 self._abandon(tmp, final, err)
         return final
+
+    def _save_strategy(self) -> Any:
+        """Megatron's fully parallel save over the data-parallel group: a tensor every DP rank holds (the dense
+        weights) is written by one of them chosen per tensor, not all by the first DP rank, so that each rank
+        writes and stages about 1 / DP of the weights. Only metadata crosses the ranks."""
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), self.ctx.pg.dp)
+
+    def _load_strategy(self, path: Path) -> Any:
+        """Megatron's fully parallel load over the data-parallel group: each weight the DP ranks share is read
+        from storage by one of them and broadcast to the others, not read DP times."""
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), self.ctx.pg.dp)
 
     def _check_room(self, final: Path) -> None:
         """Refuse to start a save the file system cannot hold, judged by the size of the newest save."""
@@ -409,7 +429,7 @@ class CheckpointManager:
         if same_layout:
             state["rng"] = _rng_object(self.ctx)
         try:
-            loaded = dist_checkpointing.load(state, str(path))
+            loaded = dist_checkpointing.load(state, str(path), self._load_strategy(path))
         except Exception as err:  # a file the manifest vouched for, yet unreadable
             raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: {err}") from err
         for i, chunk in enumerate(actor.chunks):

@@ -342,6 +342,12 @@ def test_a_routine_save_and_resume_hold_the_ranks_own_optimizer_share_and_the_ca
     routine, canonical = lines["dp_reshardable"], lines["fully_reshardable"]
     assert routine["save: the rank's optimizer share"] == pytest.approx(stage / 4 * 12)
     assert routine["resume: the rank's optimizer share"] == pytest.approx(stage / 4 * 12)
+    # fully parallel save and load: each weight the 4 DP ranks share is written and read by one of them (bf16)
+    assert (
+        routine["save: the weights it writes"]
+        == routine["resume: the weights it reads"]
+        == pytest.approx(stage / 4 * 2)
+    )
     assert not any("group" in name for name in routine)
     assert canonical["save: the DP group's gathered state"] == pytest.approx(stage * 12)
     assert canonical["resume: the DP group's whole state"] == pytest.approx(stage * 12)
