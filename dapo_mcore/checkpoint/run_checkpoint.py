@@ -27,6 +27,7 @@ Per-rank RNG states are restored only at the same layout.
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import shutil
 import time
@@ -138,6 +139,7 @@ class CheckpointManager:
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
         self.optimizer_format = optimizer_format
         _writer_results_queue_dies_with_us()
+        _forked_writers_die_with_us()
         self._async_queue = None
         self._writing: tuple[Path, Path] | None = None  # a background save's (tmp, final) until it completes
         if async_save:
@@ -556,6 +558,32 @@ def _writer_results_queue_dies_with_us() -> None:
     _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
     _WRITER_MANAGER.start(initializer=die_with_parent)
     filesystem_async._results_queue = _QuietResultsQueue(_WRITER_MANAGER.Queue())
+
+
+def _forked_writers_die_with_us() -> None:
+    """Megatron-Core's torch_dist writer forks one process per write bucket (FileSystemWriterAsync.
+    write_preloaded_data_multiproc) and reads their results from a queue. A run killed outright (SIGKILL) during
+    a save left them blocked for good flushing their results to that queue, with multiprocessing's resource
+    tracker beside them: each forked writer now dies with the process that forked it (checked once more after
+    asking, in case that process died in between)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data
+    if getattr(original, "dies_with_parent", False):
+        return
+
+    @functools.wraps(original)
+    def write_preloaded_data(*args: Any, **kwargs: Any) -> Any:
+        parent = mp.parent_process()
+        die_with_parent()
+        if parent is not None and os.getppid() != parent.pid:  # it died before we asked: its signal is gone
+            os._exit(1)
+        return original(*args, **kwargs)
+
+    write_preloaded_data.dies_with_parent = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
 
 
 class _QuietResultsQueue:
