@@ -45,7 +45,7 @@ from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.rollout.samples_log import SAMPLES_DIR, log_step_samples
 from dapo_mcore.utils.errors import CheckpointError, DapoError, MismatchError
-from dapo_mcore.utils.logging import get_logger
+from dapo_mcore.utils.logging import get_logger, release_leaked_logging_locks
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
 from dapo_mcore.utils.processes import Terminated
@@ -387,6 +387,8 @@ def report(run: Run, step: int, metrics: dict[str, float]) -> None:
 def finish(run: Run, together: bool = False) -> None:
     """Close everything the run opened. `together`: every rank is here (a normal end, a stop on a signal),
     so the ranks wait for each other before leaving; not after a failure, where a rank may be gone."""
+    if release_leaked_logging_locks():  # a signal landed inside a logging call: wandb's thread would wait on it
+        log.warning("a signal landed inside a logging call; its lock is released")
     if run.writer is not None:
         if run.cfg.logging.plot and run.writer.path.exists():
             plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)

@@ -43,3 +43,20 @@ def quiet_save_reading() -> Iterator[None]:
         for category, message in _SAVE_READING_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)
         yield
+
+
+def release_leaked_logging_locks() -> int:
+    """Release the logging locks this thread holds for good, and return how many it held.
+
+    A signal's exception (a Ctrl-C's KeyboardInterrupt, a stop at once's Terminated) can land in a logging call
+    between its lock's acquire and the `try` that releases it. That leaves logging's module lock, or a handler's
+    lock, held by this thread, and every other thread's next log call then blocks. wandb's teardown waited on such
+    a thread for ever, so a stopped run did not end. Call this only where no logging call of this thread can be
+    under way: the run's shutdown."""
+    locks = [logging._lock] + [ref().lock for ref in list(logging._handlerList) if ref() is not None]
+    released = 0
+    for lock in locks:
+        while lock is not None and getattr(lock, "_is_owned", lambda: False)():
+            lock.release()
+            released += 1
+    return released
