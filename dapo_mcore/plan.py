@@ -530,13 +530,10 @@ def _save_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -
     sharded, shard = _optimizer_shard(cfg, shape, lay, pp_rank)
     b, p = _DTYPE_BYTES[cfg.model.dtype], f"{_count(params)} params"
     own = Line("save: the rank's optimizer share", sharded * 12, f"{_count(sharded)} params {shard} x 12 B")
-    # one copy of each weight over the ranks that hold it: the dense ones over DP, the experts over expert DP
-    experts = _stage_expert_params(shape, lay, pp_rank)
-    written = (params - experts) / lay.dp + experts / lay.expert_dp
-    split = f"/ DP {lay.dp}" if not experts else f"(dense / DP {lay.dp} + experts / expert DP {lay.expert_dp})"
-    weights = Line("save: the weights it writes", written * b, f"{p} {split} x {b} B (fully parallel)")
-    # a fully parallel load: each weight the DP ranks share is read by one of them and broadcast to the others
-    read_weights = Line("resume: the weights it reads", written * b, f"{p} {split} x {b} B")
+    # fully parallel save and load: each weight the ranks share is written, and read (then broadcast), by one
+    written, split = _one_copy_share(shape, lay, pp_rank)
+    weights = Line("save: the weights it writes", written * b, f"{_count(written)} params {split} x {b} B")
+    read_weights = Line("resume: the weights it reads", written * b, f"{_count(written)} params {split} x {b} B")
     if cfg.checkpoint.optimizer_format == "dp_reshardable":
         read = Line("resume: the rank's optimizer share", sharded * 12, "read into place (a tensor at a time)")
         return own, weights, read, read_weights
@@ -548,14 +545,21 @@ def _save_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -
 def _optimizer_shard(cfg: RunConfig, shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
     """Parameters whose optimizer state one GPU holds: the distributed optimizer shards the dense ones over DP,
     the experts' over the ranks that hold the same experts."""
+    if cfg.parallel.use_distributed_optimizer:
+        return _one_copy_share(shape, lay, pp_rank)
+    params, _ = _stage_params(shape, lay, pp_rank)
+    return params, "/ DP 1"
+
+
+def _one_copy_share(shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[float, str]:
+    """A rank's share of one copy of its stage's parameters: the dense ones split over DP, the experts over the
+    ranks that hold the same experts (the distributed optimizer's shard, and what a fully parallel save writes)."""
     params, _ = _stage_params(shape, lay, pp_rank)
     experts = _stage_expert_params(shape, lay, pp_rank)
-    dp = lay.dp if cfg.parallel.use_distributed_optimizer else 1
-    edp = lay.expert_dp if cfg.parallel.use_distributed_optimizer else 1
     if not experts:
-        return params / dp, f"/ DP {dp}"
-    return (params - experts) / dp + experts / edp, (
-        f"({_count(params - experts)} / DP {dp} + experts {_count(experts)} / expert DP {edp})"
+        return params / lay.dp, f"/ DP {lay.dp}"
+    return (params - experts) / lay.dp + experts / lay.expert_dp, (
+        f"({_count(params - experts)} / DP {lay.dp} + experts {_count(experts)} / expert DP {lay.expert_dp})"
     )
 
 
