@@ -115,7 +115,12 @@ def become_rank(scenario: str, rank: int, port: int, out: Path, agent_store: boo
     log = os.open(out / f"{scenario}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
+    # every rank on this host, said as torchrun says it: a LOCAL_WORLD_SIZE or SLURM_NNODES left in the test
+    # process's environment made the ranks a job across hosts, whose preflight refuses a loopback host name
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+               MASTER_ADDR="127.0.0.1")  # fmt: skip
+    for variable in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        os.environ.pop(variable, None)
     os.environ.update(env, MASTER_PORT=str(port))
     if agent_store:
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
