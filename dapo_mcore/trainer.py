@@ -21,7 +21,7 @@ import torch
 
 from dapo_mcore.build import Run, build_run
 from dapo_mcore.checkpoint.hf_io import SafetensorsShardWriter, write_hf_config
-from dapo_mcore.checkpoint.run_checkpoint import WriterDied
+from dapo_mcore.checkpoint.run_checkpoint import WriterDied, read_own_file
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.loader import config_to_dict
 from dapo_mcore.config.model_spec import load_hf_config
@@ -116,7 +116,8 @@ def restore(run: Run) -> int:
         return 0
     with phase_scope("restore"):
         state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
-        run.sampler.load_state_dict(state["sampler"], step=int(state["step"]))
+        path = run.resume.path
+        run.sampler.load_state_dict(state["sampler"], int(state["step"]), read=lambda name: read_own_file(path, name))
     return int(state["step"])
 
 
@@ -208,7 +209,9 @@ def save(run: Run, next_step: int, background: bool = True) -> Path:
         "wandb_run_id": broadcast_object(run_id, src=0),
         "config": config_to_dict(run.cfg),  # a resume lists what changed since
     }
-    path = run.checkpoints.save(next_step, run.actor, run.spec, state, background=background)
+    path = run.checkpoints.save(
+        next_step, run.actor, run.spec, state, background=background, own_files=run.sampler.own_files()
+    )
     every = run.cfg.checkpoint.hf_export_interval * run.cfg.checkpoint.save_interval
     if every > 0 and (next_step % every == 0 or next_step == run.cfg.trainer.steps):
         export_hf(run, path)

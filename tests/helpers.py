@@ -131,7 +131,10 @@ class LongTailEngine:
 
     def generate_answers(self, requests, params, on_finished):
 
+        from dapo_mcore.rollout.base import step_poll
+
         self.calls.append(len(requests))
+        poll = step_poll(on_finished)
         new = [[] for _ in requests]
         ended = [None] * len(requests)
         stopped = False
@@ -153,6 +156,7 @@ class LongTailEngine:
                     ended[i] = reason
                     if not stopped:
                         stopped = bool(on_finished(i, self._completion(r, new[i], reason)))
+            stopped = stopped or bool(poll())  # after each decode step, as the adapters do (rollout/base.py)
         return [self._completion(r, t, e or "abort") for r, t, e in zip(requests, new, ended)]
 
     def generate(self, prompt_ids, params):

@@ -82,13 +82,13 @@ def kill_checkpoint_writer_manager(group) -> bool:
     import os
     import signal
 
-    from dapo_mcore.checkpoint import run_checkpoint
+    from dapo_mcore.checkpoint import writer_processes
     from dapo_mcore.rollout.sampler import correctness_spread
 
     run_dir, step = _run_dir_and_step()
     marker = run_dir / f"killed-{step}"
     if step in (1, 2) and not marker.exists():
-        process = run_checkpoint._WRITER_MANAGER._process
+        process = writer_processes._WRITER_MANAGER._process
         marker.write_text(str(process.pid))
         os.kill(process.pid, signal.SIGKILL)
         process.join()

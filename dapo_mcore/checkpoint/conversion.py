@@ -115,11 +115,11 @@ def hf_to_mcore(hf_dir: Path, out_dir: Path, dtype: str = "") -> dict[str, Any]:
         "model": model_sharded_state_dict(chunks),
         "format": format_record("model", spec, chunks, {"tp": 1, "pp": 1}),
     }
-    # the writer's results go through the queue that training's saves use (run_checkpoint.py): Megatron's own
+    # the writer's results go through the queue that training's saves use (writer_processes.py): Megatron's own
     # manager would import torch to hold them, 4 of a conversion's 9 CPU-s
-    from dapo_mcore.checkpoint.run_checkpoint import _writer_results_queue_dies_with_us
+    from dapo_mcore.checkpoint.writer_processes import writer_results_queue_dies_with_us
 
-    _writer_results_queue_dies_with_us()
+    writer_results_queue_dies_with_us()
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=False)
     copy_hf_assets(hf_dir, tmp)
     write_manifest(tmp)

@@ -5,6 +5,8 @@
             in the common state the LR schedule, the run state (data position, dynamic-sampling state and
             carried-over groups, logger run id) and "format" (model spec, layout saved at, step)
         hf_assets/                config.json and tokenizer files, for exports
+        rollout_pending/          partial rollout's unfinished groups, a file per engine replica that holds
+                                  some (written by that replica; its records are in the run state)
         MANIFEST.json             written last: every file with its size; a save without it is incomplete
     <dir>/latest                  the name of the newest complete save, moved only after MANIFEST.json
 
@@ -14,25 +16,18 @@ file, truncated file, missing metadata), so a save cut short by a killed job is 
 `resume=auto` instead of failing halfway through loading weights.
 
 The model is stored layout-free (sharded tensors keyed by global layer index): it loads at any TP x PP x DP
-(x EP) layout. The distributed optimizer's state is stored as `checkpoint.optimizer_format` says:
-- `dp_reshardable` (the default, Megatron-LM's own for routine saves): each rank writes its own share of its
-  data-parallel group's buckets, nothing is gathered, and each rank reads back only its share; it reloads at
-  another data-parallel size, but not at another TP / PP / EP / VPP (refused with one line naming the layouts).
-- `fully_reshardable`: the canonical per-parameter form, which reloads at any layout. Making it gathers each
-  data-parallel group's whole state (over gloo, in host memory of the group's first rank: Megatron's
-  memory-efficient path), and loading it reads the whole group's state on every rank.
-Per-rank RNG states are restored only at the same layout.
+(x EP) layout. The distributed optimizer's state is stored as `checkpoint.optimizer_format` says
+(checkpoint/optimizer_format.py; by default each rank's own share, which reloads at another data-parallel size).
+Per-rank RNG states are restored only at the same layout. The processes behind Megatron's writes die with the run
+(checkpoint/writer_processes.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,42 +47,28 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     verify_complete,
     write_manifest,
 )
+from dapo_mcore.checkpoint.optimizer_format import (
+    BEFORE_FORMATS,
+    adam_step_fixed,
+    allocate_optimizer_state,
+    optimizer_state,
+    refuse_other_layout,
+)
+from dapo_mcore.checkpoint.writer_processes import (
+    dead_writer_manager,
+    forked_writers_die_with_us,
+    restart_writer_manager,
+    writer_results_queue_dies_with_us,
+)
 from dapo_mcore.config.model_spec import ModelSpec
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, broadcast_object, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
-from dapo_mcore.utils.processes import die_with_parent
 
 log = get_logger(__name__)
 
 LATEST = "latest"
-_BEFORE_FORMATS = "fully_reshardable"  # saves made before checkpoint.optimizer_format existed
-
-
-def optimizer_state(actor: Any, model_sd: dict[str, Any], optimizer_format: str, is_loading: bool = False) -> Any:
-    """The optimizer's part of a save (or of a load's request) in `optimizer_format`."""
-    metadata = {
-        "distrib_optim_sharding_type": optimizer_format,
-        # fully_reshardable: gather over gloo onto each DP group's first rank, not NCCL onto every rank's GPU
-        "distrib_optim_fully_reshardable_mem_efficient": True,
-    }
-    return actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-
-
-def _refuse_other_layout(path: Path, saved: dict[str, Any], layout: dict[str, int], optimizer_format: str) -> None:
-    """A dp_reshardable save reloads at another data-parallel size only."""
-    if optimizer_format != "dp_reshardable":
-        return
-    fixed = {key: value for key, value in saved.items() if key != "dp"}
-    if fixed == {key: value for key, value in layout.items() if key != "dp"}:
-        return
-    raise CheckpointError(
-        f"checkpoint {path} holds the optimizer state per data-parallel rank (checkpoint.optimizer_format="
-        f"dp_reshardable), which reloads at another DP size only: it was saved at {saved}, this run is {layout}; "
-        "resume at the saved layout (any DP size), run one step there with checkpoint.optimizer_format="
-        "fully_reshardable and checkpoint.save_interval=1, and resume that save at the new layout"
-    )
 
 
 def step_dir_name(step: int) -> str:
@@ -138,8 +119,8 @@ class CheckpointManager:
     ):
         self.root, self.ctx, self.keep_last, self.hf_assets_from = Path(root), ctx, keep_last, hf_assets_from
         self.optimizer_format = optimizer_format
-        _writer_results_queue_dies_with_us()
-        _forked_writers_die_with_us()
+        writer_results_queue_dies_with_us()
+        forked_writers_die_with_us()
         self._async_queue = None
         self._writing: tuple[Path, Path] | None = None  # a background save's (tmp, final) until it completes
         if async_save:
@@ -148,8 +129,17 @@ class CheckpointManager:
             self._async_queue = AsyncCallsQueue()
 
     # ----- saving -----------------------------------------------------------------------------------------
-    def save(self, step: int, actor: Any, spec: ModelSpec, run_state: dict[str, Any], background: bool = True) -> Path:
+    def save(
+        self,
+        step: int,
+        actor: Any,
+        spec: ModelSpec,
+        run_state: dict[str, Any],
+        background: bool = True,
+        own_files: dict[str, Any] | None = None,
+    ) -> Path:
         """Save after step `step` (that many updates done: step_00000N). Collective over all ranks.
+        `own_files`: name -> object this rank alone writes into the save (torch.save; names unique across ranks).
 
         With async_save (and background), the shards are written by a background process while training goes
         on; the save becomes complete (manifest, rename, `latest`) in a later `poll()` or `wait()`. One save at
@@ -169,9 +159,10 @@ class CheckpointManager:
 
         on_rank0(lambda: self._check_room(final), CheckpointError)
         on_rank0(fresh_tmp, CheckpointError)
+        own_crcs = self._write_own_files(tmp, final, own_files or {})
         # Before the first update Adam has no state, which Megatron's distributed optimizer cannot save; zero
         # moments and step 0 are what the first update starts from anyway.
-        _allocate_optimizer_state(actor.optimizer)
+        allocate_optimizer_state(actor.optimizer)
         model_sd = model_sharded_state_dict(actor.chunks)
         state = {
             "model": model_sd,
@@ -184,7 +175,7 @@ class CheckpointManager:
                 "optimizer_format": self.optimizer_format,
             },
         }
-        finish = functools.partial(self._complete, tmp, final, start)
+        finish = functools.partial(self._complete, tmp, final, start, own_crcs)
         strategy = self._save_strategy()
         if self._async_queue is not None and background:
             request = dist_checkpointing.save(
@@ -202,6 +193,23 @@ class CheckpointManager:
             except (Exception, CheckpointException) as err:  # a full disk, an I/O error (on any rank)
                 self._abandon(tmp, final, err)
         return final
+
+    def _write_own_files(self, tmp: Path, final: Path, files: dict[str, Any]) -> dict[str, int]:
+        """Write this rank's own files into the save (collective: a failure on any rank abandons the save on
+        every rank); returns their CRC-32s by name."""
+        crcs, failure = {}, None
+        try:
+            for name, obj in files.items():
+                path = tmp / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(obj, path)
+                crcs[name] = file_crc32(path)
+        except OSError as err:
+            failure = err
+        failures = [f for f in all_gather_objects(None if failure is None else f"{failure}") if f is not None]
+        if failures:
+            self._abandon(tmp, final, failure or OSError(f"another rank: {failures[0]}"))
+        return crcs
 
     def _save_strategy(self) -> Any:
         """Megatron's fully parallel save over the data-parallel group: a tensor every DP rank holds (the dense
@@ -281,8 +289,8 @@ class CheckpointManager:
         a save in flight whose writer or manager died cannot complete: it is dropped and WriterDied names the
         process (the trainer then saves synchronously and stops)."""
         problems = [p for p in all_gather_objects(self._writer_problem()) if p]
-        if _dead_writer_manager() is not None:
-            _restart_writer_manager()
+        if dead_writer_manager() is not None:
+            restart_writer_manager()
         if not problems:
             return
         if self._writing is None:  # only an idle manager died: replaced, nothing lost
@@ -308,15 +316,15 @@ class CheckpointManager:
         """A dead write-results manager replaced before a synchronous save needs its queue (a kill -9 of it used
         to cost every step since the last save: the save failed with ConnectionRefusedError and a line about
         disk space). This rank's own; each rank replaces its own."""
-        if (process := _dead_writer_manager()) is not None:
+        if (process := dead_writer_manager()) is not None:
             log.warning("checkpoint writer: rank %d: the write-results manager process (pid %d) %s; started a new one",
                         self.ctx.rank, process.pid, _fate(process))  # fmt: skip
-            _restart_writer_manager()
+            restart_writer_manager()
 
     def _writer_problem(self) -> str | None:
         """This rank's dead writer-side process, named; None when every one is alive or ended normally."""
         rank = self.ctx.rank
-        if (process := _dead_writer_manager()) is not None:
+        if (process := dead_writer_manager()) is not None:
             return f"rank {rank}: the write-results manager process (pid {process.pid}) {_fate(process)}"
         for call in self._async_queue.async_calls if self._async_queue is not None else ():
             process = getattr(call.async_caller, "process", None)
@@ -324,10 +332,10 @@ class CheckpointManager:
                 return f"rank {rank}: the background writer process (pid {process.pid}) {_fate(process)}"
         return None
 
-    def _complete(self, tmp: Path, final: Path, start: float) -> None:
+    def _complete(self, tmp: Path, final: Path, start: float, own_crcs: dict[str, int]) -> None:
         dist.barrier()  # every rank's shards are on disk
         # each rank checksums the shard files it wrote (torch's writer names them __<rank>_<n>.distcp)
-        own = {p.name: file_crc32(p) for p in tmp.glob(f"__{self.ctx.rank}_*.distcp")}
+        own = {p.name: file_crc32(p) for p in tmp.glob(f"__{self.ctx.rank}_*.distcp")} | own_crcs
         crcs = {name: crc for part in all_gather_objects(own) for name, crc in part.items()}
 
         def publish() -> None:  # rank 0; an error (full disk, ...) is raised on every rank
@@ -422,10 +430,10 @@ class CheckpointManager:
 
         common = _run_common_state(path)
         check_model_spec(common["format"]["model_spec"], spec, path)
-        saved_format = common["format"].get("optimizer_format", _BEFORE_FORMATS)
-        _refuse_other_layout(path, common["format"]["layout"], layout_of(self.ctx), saved_format)
+        saved_format = common["format"].get("optimizer_format", BEFORE_FORMATS)
+        refuse_other_layout(path, common["format"]["layout"], layout_of(self.ctx), saved_format)
         model_sd = model_sharded_state_dict(actor.chunks)
-        _allocate_optimizer_state(actor.optimizer)
+        allocate_optimizer_state(actor.optimizer)
         state = {"model": model_sd, "optimizer": optimizer_state(actor, model_sd, saved_format, is_loading=True)}
         same_layout = common["format"]["layout"] == layout_of(self.ctx)
         if same_layout:
@@ -437,7 +445,7 @@ class CheckpointManager:
         for i, chunk in enumerate(actor.chunks):
             unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
         # no_grad: Megatron-Core 0.16.1 copies dp_reshardable state into the leaf master params with autograd on
-        with _adam_step_fixed(actor.optimizer), torch.no_grad():
+        with adam_step_fixed(actor.optimizer), torch.no_grad():
             actor.optimizer.load_state_dict(loaded["optimizer"])
         # Megatron's load_state_dict *adds* the saved step count to the current one (ours starts at 1)
         actor.scheduler.num_steps = 0
@@ -463,6 +471,15 @@ def read_run_state(path: Path, spec: ModelSpec) -> dict[str, Any]:
     return {**common["run"], "step": common["format"]["step"]}
 
 
+def read_own_file(path: Path, name: str) -> Any:
+    """A file one rank wrote into the save `path` (CheckpointManager.save's own_files), read without unpickling
+    classes and with its tensors mapped from the file (a rank takes only what it needs of them)."""
+    try:
+        return torch.load(path / name, weights_only=True, mmap=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
+        raise CheckpointError(f"checkpoint {path}: {name} could not be read: {type(err).__name__}: {err}") from None
+
+
 def _run_common_state(path: Path) -> dict[str, Any]:
     common = read_common(path)
     if common["format"].get("kind") != "run":
@@ -473,64 +490,6 @@ def _run_common_state(path: Path) -> dict[str, Any]:
     return common
 
 
-def _allocate_optimizer_state(optimizer: Any) -> None:
-    """Give a torch Adam that has not stepped yet its (zero) state, step counter included.
-
-    Megatron's distributed optimizer builds the loading template from `state_dict()`, which on the native
-    torch Adam path (no Apex/TE) reads every parameter's `step`; a fresh optimizer has none, and Megatron's own
-    `init_state_fn` sets only the moments. Every value set here is overwritten by the load."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param),
-                    }
-
-
-@contextmanager
-def _adam_step_fixed(optimizer: Any) -> Iterator[None]:
-    """Work around two bugs of Megatron-Core 0.16.1 on the native torch Adam path (no Apex/TE: every CPU run).
-
-    Its distributed optimizer stores Adam's `step` once per param group and on loading sets it back as ONE
-    tensor shared by every parameter's state; then it copies "every key of that state" from the checkpoint's
-    per-parameter tensors, which hold no `step` (KeyError at any layout). Here the copy is given the step it
-    already set, and afterwards each parameter gets its own step tensor: torch's Adam increments it in place,
-    so a shared one advances by the number of parameters per update and bias correction goes wrong (a
-    resumed run then drifts from the uninterrupted one from its second update on)."""
-    patched = [
-        sub
-        for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-        if hasattr(sub, "model_param_group_index_map") and hasattr(sub, "_set_main_param_and_optimizer_states")
-    ]
-    for sub in patched:
-        sub._set_main_param_and_optimizer_states = functools.partial(
-            _set_states_keeping_step, sub, type(sub)._set_main_param_and_optimizer_states
-        )
-    try:
-        yield
-    finally:
-        for sub in patched:
-            del sub._set_main_param_and_optimizer_states  # back to the class's method
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in getattr(getattr(sub, "optimizer", None), "state", {}).values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-
-def _set_states_keeping_step(sub: Any, original: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-    group_index, group_order = sub.model_param_group_index_map[model_param]
-    state = sub.optimizer.state[sub.optimizer.param_groups[group_index]["params"][group_order]]
-    if "step" in state:  # dp_reshardable's per-parameter step tensors load as 0 (0-dim, bucketed): not used
-        tensors = {**tensors, "step": state["step"]}
-    original(sub, model_param, tensors)
-
-
 def _restore_rng(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
@@ -538,99 +497,6 @@ def _restore_rng(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-_WRITER_MANAGER = None  # the multiprocessing manager behind Megatron's write-results queue, kept alive
-
-
-def _writer_results_queue_dies_with_us() -> None:
-    """Megatron-Core's checkpoint writer passes results through a queue served by a multiprocessing manager
-    process it starts on first use; if this process is killed outright (SIGKILL) that manager lives on. Start
-    it here instead, with the parent-death signal set, and hand Megatron its queue."""
-    global _WRITER_MANAGER
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if _WRITER_MANAGER is not None or getattr(filesystem_async, "_results_queue", "missing") is not None:
-        return  # already made (by us or by Megatron), or a Megatron without this queue
-    _WRITER_MANAGER = SyncManager(ctx=mp.get_context("spawn"))
-    _WRITER_MANAGER.start(initializer=die_with_parent)
-    filesystem_async._results_queue = _QuietResultsQueue(_WRITER_MANAGER.Queue())
-
-
-def _forked_writers_die_with_us() -> None:
-    """Megatron-Core's torch_dist writer forks one process per write bucket (FileSystemWriterAsync.
-    write_preloaded_data_multiproc) and reads their results from a queue. A run killed outright (SIGKILL) during
-    a save left them blocked for good flushing their results to that queue, with multiprocessing's resource
-    tracker beside them: each forked writer now dies with the process that forked it (checked once more after
-    asking, in case that process died in between)."""
-    import multiprocessing as mp
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    original = FileSystemWriterAsync.write_preloaded_data
-    if getattr(original, "dies_with_parent", False):
-        return
-
-    @functools.wraps(original)
-    def write_preloaded_data(*args: Any, **kwargs: Any) -> Any:
-        parent = mp.parent_process()
-        die_with_parent()
-        if parent is not None and os.getppid() != parent.pid:  # it died before we asked: its signal is gone
-            os._exit(1)
-        return original(*args, **kwargs)
-
-    write_preloaded_data.dies_with_parent = True
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_preloaded_data)
-
-
-class _QuietResultsQueue:
-    """The write-results queue's proxy, whose put (in Megatron's forked writer process) ends that process
-    quietly when the manager behind the queue is gone: the run names the dead manager at the step boundary
-    (_check_writers), and the writer's own 20-line traceback (EOFError) used to come first.
-
-    Items go through the manager pickled (put) and come out unpickled (get, get_nowait): the manager holds bytes.
-    Holding the items themselves, it unpickled Megatron's write results, torch.distributed.checkpoint's, and so
-    imported torch: about 4 CPU-s at every process's first save (a conversion's whole run took 9)."""
-
-    def __init__(self, proxy: Any):
-        self._proxy = proxy
-
-    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            self._proxy.put(pickle.dumps(item), *args, **kwargs)
-        except (EOFError, ConnectionError):  # BrokenPipe and ConnectionRefused are ConnectionErrors
-            raise SystemExit(1) from None  # multiprocessing prints no traceback for SystemExit
-
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        return pickle.loads(self._proxy.get(*args, **kwargs))
-
-    def get_nowait(self) -> Any:
-        return pickle.loads(self._proxy.get_nowait())
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_proxy":  # unpickling looks up attributes before __init__ has set it
-            raise AttributeError(name)
-        return getattr(self._proxy, name)
-
-
-def _dead_writer_manager() -> Any:
-    """The write-results manager's process if it died; None while it lives (or was never started)."""
-    if _WRITER_MANAGER is not None and not _WRITER_MANAGER._process.is_alive():
-        return _WRITER_MANAGER._process
-    return None
-
-
-def _restart_writer_manager() -> None:
-    """A new write-results manager in place of a dead one (its queue proxy is useless without it)."""
-    global _WRITER_MANAGER
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    _WRITER_MANAGER = None
-    filesystem_async._results_queue = None
-    _writer_results_queue_dies_with_us()
 
 
 def _first_cause(err: BaseException) -> str:

@@ -243,9 +243,10 @@ def _check_partial_rollout(cfg: RunConfig) -> None:
     _require(ro.partial_oversample >= 1, "rollout.partial_oversample must be >= 1")
     _require(ro.partial_max_staleness >= 0, "rollout.partial_max_staleness must be >= 0")
     _require(
-        ro.engine_tp_size == 1 or ro.engine == "vllm",
+        ro.engine_tp_size == 1 or ro.engine in ("vllm", "synthetic"),
         f"rollout.partial_rollout with rollout.engine={ro.engine} at rollout.engine_tp_size={ro.engine_tp_size}: only "
-        "the vllm adapter stops an engine's TP ranks at one step (rollout/agreement.py); use engine_tp_size=1",
+        "the vllm adapter (and the rehearsals' synthetic engine) stops an engine's TP ranks at one step "
+        "(rollout/agreement.py); use engine_tp_size=1",
     )
     _require(
         cfg.algorithm.dynamic_sampling.mode == "resample",

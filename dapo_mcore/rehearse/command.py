@@ -62,9 +62,11 @@ def rehearse_command(args: argparse.Namespace) -> int:
         counts = per_rank_counts(shape, world, load) if per_rank else full_counts(shape, world)
         run_dir = out / f"N{world}"
         # the user's overrides describe the recipe (its counts are the shape above); the rehearsal's come last
-        ep = shape.expert_parallel_at(world)
-        overrides = [*args.overrides, *rehearsal_overrides(counts, model_dir, run_dir, args.mean_len, steps,
-                                                           args.micro_batches, not args.no_save, ep)]  # fmt: skip
+        ep, engine_tp = shape.expert_parallel_at(world), shape.engine_tp_at(world)
+        rehearsal_part = rehearsal_overrides(
+            counts, model_dir, run_dir, args.mean_len, steps, args.micro_batches, not args.no_save, ep, engine_tp
+        )
+        overrides = [*args.overrides, *rehearsal_part]
         if not args.report_only:
             validate(load_config(args.recipe, overrides))  # a bad override in one line, before any process starts
             run_world(args, overrides, world, run_dir)

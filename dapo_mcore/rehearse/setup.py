@@ -50,12 +50,19 @@ class RecipeShape:
     max_response_len: int
     micro_batch_size: int = 1  # the smallest mini-batch the trainer takes
     expert_parallel: int = 1  # the recipe's EP
+    engine_tp: int = 1  # the recipe's rollout.engine_tp_size
 
     def expert_parallel_at(self, world: int) -> int:
         """The EP a rehearsal of `world` processes runs (each one DP rank at TP 1): the largest that divides both
         the recipe's and the world, so that the expert all-to-alls and the equal micro-batch counts across an EP
         group that they need are exercised as in the recipe."""
         return math.gcd(self.expert_parallel, world)
+
+    def engine_tp_at(self, world: int) -> int:
+        """The engine TP a rehearsal of `world` processes runs, the largest that divides both the recipe's and the
+        world: an engine replica's ranks then generate alike, agree on its verdicts and (partial rollout) stop
+        together, and take turns sending its groups, as in the recipe."""
+        return math.gcd(self.engine_tp, world)
 
     @classmethod
     def of(cls, cfg: RunConfig, gpus: int) -> RecipeShape:
@@ -77,6 +84,7 @@ class RecipeShape:
             ro.sampling.max_response_len,
             cfg.trainer.micro_batch_size,
             par.expert_model_parallel_size,
+            ro.engine_tp_size,
         )
 
     @property
@@ -112,13 +120,15 @@ def default_load(shape: RecipeShape, mean_len: float) -> float:
 
 def per_rank_counts(shape: RecipeShape, world: int, load: float) -> Counts:
     """`world` processes, each with `load` x the share of one recipe rank: its DP share of the step's prompts
-    and of each mini-batch, its engine replica's share of each round's prompts (at least one prompt each)."""
+    and of each mini-batch; each of the rehearsal's engine replicas `load` x a recipe replica's share of each
+    round's prompts (at least its ranks' prompts)."""
     prompts = max(1, round(load * shape.prompts_per_step / shape.dp))
-    per_round = max(prompts, round(load * shape.prompts_per_round / shape.replicas))
+    engine_tp = shape.engine_tp_at(world)
+    per_round = max(prompts * engine_tp, round(load * shape.prompts_per_round / shape.replicas))
     answers = world * prompts * shape.answers_per_prompt
     # the recipe's updates a step, as far as the trainer's micro-batch size lets a small load keep them
     mini_batch = max(shape.micro_batch_size, answers // shape.updates_per_step)
-    return Counts(world, world * prompts, world * per_round, min(mini_batch, answers))
+    return Counts(world, world * prompts, world // engine_tp * per_round, min(mini_batch, answers))
 
 
 def full_counts(shape: RecipeShape, world: int) -> Counts:
@@ -166,6 +176,7 @@ def rehearsal_overrides(
     micro_batches: int,
     save: bool = True,
     expert_parallel: int = 1,
+    engine_tp: int = 1,
 ) -> list[str]:
     """What turns the recipe into the rehearsal (after the user's overrides of the recipe: command.py)."""
     return [
@@ -175,7 +186,7 @@ def rehearsal_overrides(
         "algorithm.mismatch.guard=off",
         f"rollout.synthetic.mean_len_first={mean_len}",
         f"rollout.synthetic.mean_len_last={mean_len}",
-        # the shrunk model, in the CPU mode, one DP rank and one engine replica a process
+        # the shrunk model, in the CPU mode, one DP rank a process
         f"model.hf_path={model_dir}",
         "model.init=random",
         "model.dtype=float32",
@@ -186,7 +197,7 @@ def rehearsal_overrides(
         "parallel.virtual_pipeline_model_parallel_size=1",
         "parallel.sequence_parallel=false",
         f"parallel.expert_model_parallel_size={expert_parallel}",
-        "rollout.engine_tp_size=1",
+        f"rollout.engine_tp_size={engine_tp}",
         "rollout.offload_actor=false",
         "optimizer.cpu_offload=false",
         # the recipes' GPU runs use Transformer Engine, whose auto packing is off: padded rows by token budget

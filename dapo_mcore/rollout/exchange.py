@@ -6,18 +6,18 @@ group: its prompt, its verdicts, rewards and response lengths, and the replica's
 filter sees the whole group where it was generated). Those summaries are all-gathered as objects: a few
 numbers per sample, no tokens.
 
-Tokens move once, for the chosen groups only, and each sample only to the ranks that train it: the
-data-parallel rank the actor deals it to (data/batching.py DataParallelSplit, a function of the step's
-lengths, which every rank knows from the summaries), and every rank of that DP rank's model-parallel group.
-Groups carried to the next step and unfinished groups (partial rollout) go to every rank (each rank saves
-and continues them). One all-to-all over host memory (the gloo wait group) carries them: from each replica,
-one of its ranks sends each receiver exactly what it takes (its ranks take turns by receiver, so a replica's
-engine-TP ranks, which hold the same groups, send each byte once), and the summaries give every rank every
-message's exact size, so there is no size exchange, no padding and no device memory while the engine holds
-the GPU. A message holds, for its groups in order, each prompt once and the chosen responses' token ids,
-then their log-probs (float32 bits), then their routing (uint8, four to a word), in one int32 tensor; the
-samples built from it hold views of it. A sample another rank trains keeps its metadata and only the count
-of its tokens (data/types.py NotHere).
+Tokens move once, for the chosen groups only, and each sample only to the ranks that train it: the data-parallel
+rank the actor deals it to (data/batching.py DataParallelSplit, a function of the step's lengths, which every rank
+knows from the summaries), and every rank of that DP rank's model-parallel group. Groups carried to the next step go
+to every rank (each rank saves them); partial rollout's unfinished groups never move: the replica that began one
+continues it (rollout/pending.py). One all-to-all over host memory (the gloo wait group) carries them: from each
+replica, one of its ranks sends each receiver exactly what it takes (its ranks take turns by receiver, so a
+replica's engine-TP ranks, which hold the same groups, send each byte once), and the summaries give every rank every
+message's exact size, so there is no size exchange, no padding and no device memory while the engine holds the GPU.
+A message holds, for its groups in order, each prompt once and the chosen responses' token ids, then their log-probs
+(float32 bits), then their routing (uint8, four to a word), in one int32 tensor; the samples built from it hold
+views of it. A sample another rank trains keeps its metadata and only the count of its tokens (data/types.py
+NotHere).
 
 Per rank, at the paper's step (8,192 answers, 8M-67M tokens at a 1k-8k mean): its 1/DP share of the chosen
 tokens x 8 bytes (+ layers x top-k bytes with routing replay), where the all-gather it replaces received
@@ -34,7 +34,7 @@ import torch
 
 from dapo_mcore.data.types import Group, NotHere, Prompt, Sample, accuracy, routing_tensor
 
-# Trainer of a sample that every rank receives (a group carried to the next step, an unfinished one).
+# Trainer of a sample that every rank receives (a group carried to the next step).
 EVERY_RANK = -1
 
 # (send buffer, words to each rank, words from each rank) -> the words received, in source rank order.
@@ -52,8 +52,6 @@ class SampleSummary:
     trainable: bool
     policy_step: int
     version_runs: tuple[tuple[int, int], ...] = ()
-    # Only for the finished answers of an unfinished group (partial rollout), scored once the group is whole.
-    text: str = ""
     # The shape of the sample's routed experts (rows, layers, k); () when the engine returned none.
     routing_shape: tuple[int, ...] = ()
     routing_dropped: bool = False
@@ -68,7 +66,7 @@ class SampleSummary:
         return math.prod(self.routing_shape) if self.routing_shape else 0
 
 
-# The fields a summary carries as the sample holds them (the rest are converted: lengths, runs, text, shape):
+# The fields a summary carries as the sample holds them (the rest are converted: lengths, runs, shape):
 # listed once, copied both ways by summarize and _sample.
 VERBATIM_FIELDS = (
     "finish_reason", "correct", "timed_out", "verify_error", "length_penalty", "reward", "trainable", "policy_step",
@@ -96,12 +94,10 @@ class GroupSummary:
 
 
 def summarize(group: Group, keep: bool, owner: int, key: tuple[int, int]) -> GroupSummary:
-    whole = all(s.finished for s in group.samples)
     samples = tuple(
         SampleSummary(
             response_len=len(s.response_ids),
             version_runs=tuple((v, n) for v, n in s.version_runs),
-            text="" if whole or not s.finished else s.response_text,
             routing_shape=tuple(s.routed_experts.shape) if s.routed_experts is not None else (),
             **{name: getattr(s, name) for name in VERBATIM_FIELDS},
         )
@@ -286,7 +282,6 @@ def _sample(s: SampleSummary, prompt_ids, response_ids, logprobs) -> Sample:
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         rollout_logprobs=logprobs,
-        response_text=s.text,
         version_runs=[[v, n] for v, n in s.version_runs],
         **{name: getattr(s, name) for name in VERBATIM_FIELDS},
     )

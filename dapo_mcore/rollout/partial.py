@@ -73,8 +73,10 @@ def extend_answer(sample: Sample, completion: Completion, version: int) -> Sampl
         response_text=completion.text,
         policy_step=runs[0][0] if runs else version,
         version_runs=runs,
-        # the last round's routing covers the whole answer: the engine took its earlier tokens as input
-        routed_experts=completion.routed_experts,
+        # the last round's routing covers the whole answer: the engine took its earlier tokens as input; an
+        # unfinished answer's is replaced when it is continued, so it is not kept meanwhile (384 B a token at
+        # Qwen3-30B-A3B: most of what a pending group holds)
+        routed_experts=completion.routed_experts if completion.finish_reason != "abort" else None,
         routing_dropped=completion.routing_dropped,
     )
 

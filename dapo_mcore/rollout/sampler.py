@@ -27,7 +27,7 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
-from dapo_mcore.data.types import Group, Prompt, Sample, group_from_dict, group_to_dict, token_tensor, value_tensor
+from dapo_mcore.data.types import Group, Prompt, Sample, group_to_dict, token_tensor, value_tensor
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.agreement import AgreedVerify, Board, LocalBoard, ReplicaRole, RoundControl
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
@@ -41,10 +41,12 @@ from dapo_mcore.rollout.partial import (
     partial_metrics,
     split_stale,
 )
+from dapo_mcore.rollout.pending import PendingGroups, PendingInfo
 from dapo_mcore.rollout.placement import ReplicaSplit
+from dapo_mcore.rollout.saved_groups import saved_groups
 from dapo_mcore.rollout.scoring import GroupScoring
 from dapo_mcore.rollout.settings import SamplerSettings
-from dapo_mcore.utils.errors import CheckpointError, DapoError
+from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.seeding import derive_seed
 from dapo_mcore.utils.timers import PhaseTimer, phase_scope
@@ -109,10 +111,10 @@ class RolloutSampler:
         self.exchange, self.trainers_of = exchange, trainers_of
         self._ranks = ExchangeRanks(rank, engine_tp_size, tuple(dp_rank_of or [0] * world_size))
         self.carry: list[Group] = []
-        # Partial rollout: groups with unfinished answers, the same on every rank, continued first next round.
-        self.unfinished: list[Group] = []
+        # Partial rollout: groups with unfinished answers, each held by its replica, continued first next round.
+        self.pending = PendingGroups(self.split)
         self._partial_stats: list[RoundStats] = []
-        # this replica's kept (and, partial rollout, unfinished) groups of the step, until the batch is chosen
+        # this replica's kept groups of the step, until the batch is chosen
         self._local: dict[tuple[int, int], Group] = {}
         self.keep_rate = KeepRateEstimator()
 
@@ -124,7 +126,7 @@ class RolloutSampler:
         stale = self._drop_stale(step)
         if cfg.partial_rollout:  # a carried group's answers may have begun before the last update too
             fresh, too_old = split_stale(self.carry, step, cfg.partial_max_staleness)
-            kept, stale = list(fresh), stale + too_old
+            kept, stale = list(fresh), stale + [PendingInfo.of(g) for g in too_old]
         while self._needs_round(len(kept), rounds):
             taken_before = self.prompts.taken
             if cfg.partial_rollout:
@@ -154,15 +156,14 @@ class RolloutSampler:
         metrics["dynamic_sampling/cap_hit"] = float(cap_hit)
         metrics["dynamic_sampling/keep_rate_estimate"] = self.keep_rate.rate if self.keep_rate.rate is not None else 1.0
         if cfg.partial_rollout:
-            stale_tokens = sum(s.response_len for g in stale for s in g.samples)
-            stale_answers = sum(s.response_len > 0 for g in stale for s in g.samples)
+            stale_tokens, stale_answers = sum(i.tokens for i in stale), sum(i.answers_begun for i in stale)
             stats, self._partial_stats = self._partial_stats, []
-            metrics.update(partial_metrics(stats, stale_answers, stale_tokens, len(self.unfinished)))
+            metrics.update(partial_metrics(stats, stale_answers, stale_tokens, self.pending.total))
         return RolloutBatch(groups=batch_groups, metrics=metrics)
 
-    def _drop_stale(self, step: int) -> list[Group]:
-        """Partial rollout: drop the unfinished groups begun too long ago; returns them."""
-        self.unfinished, stale = split_stale(self.unfinished, step, self.settings.partial_max_staleness)
+    def _drop_stale(self, step: int) -> list[PendingInfo]:
+        """Partial rollout: drop the unfinished groups begun too long ago (every replica's); returns theirs."""
+        stale = self.pending.drop_stale(step, self.settings.partial_max_staleness)
         if stale:
             log.info("step %d: dropped %d unfinished groups begun over %d weight versions ago",
                      step + 1, len(stale), self.settings.partial_max_staleness)  # fmt: skip
@@ -214,14 +215,15 @@ class RolloutSampler:
     def _generate_partial_round(
         self, step: int, round_idx: int, n_prompts: int, wanted: int, timer: PhaseTimer
     ) -> list[GroupSummary]:
-        """A round that stops once this replica has kept its share of the `wanted` groups. Its inputs: the
-        unfinished groups first, then new prompts up to the round's size (x partial_oversample). Returns the
-        summaries of the groups whose answers all ended, in input order; the rest become self.unfinished
-        (fetched to every rank)."""
+        """A round that stops once `wanted` groups are kept over every replica. Each replica's inputs: its
+        pending groups first, then the new prompts dealt to it, up to the round's size (x partial_oversample)
+        over every replica. Returns the summaries of the groups whose answers all ended (rollout/pending.py's
+        order); each replica keeps the rest, with their tokens, as its pending groups."""
         cfg = self.settings
-        n_new = max(0, math.ceil(n_prompts * cfg.partial_oversample) - len(self.unfinished))
-        inputs = self.unfinished + [Group(p) for p in self.prompts.take(n_new)]  # identical on every rank
-        mine = self.split.mine(inputs)
+        n_new = max(0, math.ceil(n_prompts * cfg.partial_oversample) - self.pending.total)
+        new = [Group(p) for p in self.prompts.take(n_new)]  # identical on every rank
+        dealt = self.pending.deal_new(len(new))
+        mine = self.pending.round_inputs(new, dealt)
         for group in mine:
             if not group.samples:  # a new prompt
                 group.samples = empty_answers(
@@ -247,8 +249,7 @@ class RolloutSampler:
         late_keep = self.scoring.keep_mask([groups[i] for i in unjudged])
         keep = stopper.kept | {i for i, kept in zip(unjudged, late_keep) if kept}
         keys = [(round_idx, i) for i in range(len(groups))]
-        unfinished = set(range(len(groups))) - set(whole)
-        self._local.update((keys[i], groups[i]) for i in keep | unfinished)  # only these may move
+        self._local.update((keys[i], groups[i]) for i in keep)  # only these may move
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
         with phase_scope("summaries"):
             gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
@@ -256,14 +257,10 @@ class RolloutSampler:
             control.forget()
         per_replica = self.split.per_replica(gathered)
         self._partial_stats += [stats for _, stats in per_replica]
-        ordered = self.split.in_order([summaries for summaries, _ in per_replica], len(inputs))
-        with timer.phase("exchange"):
-            pending = [g for g in ordered if not g.finished]
-            everyone = [[EVERY_RANK] * len(g.samples) for g in pending]  # each rank saves and continues them
-            self.unfinished = fetch_groups(pending, everyone, self._local, self._ranks, self.exchange)
-        for g in pending:  # every rank holds them now (self.unfinished)
-            if g.owner == self.replica:
-                del self._local[g.key]
+        shares = [summaries for summaries, _ in per_replica]
+        ordered = self.pending.in_order(shares, dealt)
+        ended = set(whole)
+        self.pending.replace(shares, [g for i, g in enumerate(groups) if i not in ended])
         return [g for g in ordered if g.finished]
 
     def _generate(self, prompts: list[Prompt], params: SamplingParams, step: int) -> list[Group]:
@@ -335,59 +332,37 @@ class RolloutSampler:
             "prompts": self.prompts.state_dict(),
             "carry": [group_to_dict(g) for g in self.carry],
             "keep_rate": self.keep_rate.state_dict(),
-            "unfinished": [group_to_dict(g) for g in self.unfinished],
+            "pending": self.pending.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any], step: int | None = None) -> None:
+    def own_files(self) -> dict[str, Any]:
+        """What this rank writes into a save as files of its own (name -> object): its replica's pending
+        groups (partial rollout), which no other rank holds."""
+        return self.pending.own_files()
+
+    def load_state_dict(
+        self, state: dict[str, Any], step: int | None = None, read: Callable[[str], Any] | None = None
+    ) -> None:
         """The sampler of a save made after `step` updates (None: not checked against a step): its carried and
-        unfinished groups checked as the run wrote them (saved_groups), a CheckpointError naming what is not."""
+        unfinished groups checked as the run wrote them (saved_groups), a CheckpointError naming what is not.
+        `read`: a file of the save by name (own_files' names; the pending groups of partial rollout)."""
         self.prompts.load_state_dict(state["prompts"])
         self.carry = saved_groups(state["carry"], "carried", step)
         self.keep_rate.load_state_dict(state["keep_rate"])
-        self.unfinished = saved_groups(state.get("unfinished", []), "unfinished", step)  # saves before partial rollout
+        if "pending" in state:
+            self.pending.load_state_dict(state["pending"], read or _no_files, step)
+        else:  # saves before the groups had owners held them all (and saves before partial rollout none)
+            self.pending.load_common(saved_groups(state.get("unfinished", []), "unfinished", step))
         n = self.settings.n_samples_per_prompt
-        other = [g for g in self.carry + self.unfinished if len(g.samples) != n]
+        other = [g for g in self.carry + self.pending.own if len(g.samples) != n]
         if other and self.rank == 0:
             log.warning("the save holds %d groups of %s answers (carried over or unfinished), where "
                         "rollout.n_samples_per_prompt is now %d: they are trained as they are, the new size from "
                         "the next new prompt on", len(other), sorted({len(g.samples) for g in other}), n)  # fmt: skip
 
 
-def saved_groups(saved: list[dict], kind: str, step: int | None) -> list[Group]:
-    """Groups of a save (carried over, or unfinished answers of partial rollout) as the run wrote them: token ids
-    non-negative integers, one finite non-positive log-prob each, weight versions no newer than the save's step
-    and covering the answer. A hand-edited or damaged buffer is one CheckpointError naming the group and what is
-    wrong (an id out of range reached the engine and was reported as its failure, a wrong type was a TypeError,
-    a version from the future a negative lag)."""
-    groups = []
-    for g, state in enumerate(saved):
-        where = f"the save's {kind} group {g}"
-        try:
-            group = group_from_dict(state)
-        except (TypeError, ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{where} is not what the run wrote: {type(err).__name__}: {err}") from None
-        for a, sample in enumerate(group.samples):
-            problem = _saved_sample_problem(sample, step)
-            if problem:
-                raise CheckpointError(f"{where} (prompt {group.prompt.uid}), answer {a}: {problem}")
-        groups.append(group)
-    return groups
-
-
-def _saved_sample_problem(sample: Sample, step: int | None) -> str | None:
-    ids, logprobs = sample.response_ids, sample.rollout_logprobs
-    if len(ids) and int(ids.min()) < 0:
-        return f"token id {int(ids.min())} (ids are >= 0)"
-    if len(logprobs) != len(ids):
-        return f"{len(ids)} tokens and {len(logprobs)} log-probs"
-    if len(logprobs) and not (torch.isfinite(logprobs).all() and float(logprobs.max()) <= 0.0):
-        return "a log-prob that is not finite or is above 0"
-    versions = sample.token_versions()
-    if sum(n for _, n in versions) != len(ids):
-        return f"its weight versions cover {sum(n for _, n in versions)} of its {len(ids)} tokens"
-    if step is not None and max((v for v, _ in versions), default=sample.policy_step) > step:
-        return f"weight version {max(v for v, _ in versions)}, newer than the save's step {step}"
-    return None
+def _no_files(name: str) -> Any:
+    raise DapoError(f"the sampler's state names a file of the save ({name}) but no way to read it was given")
 
 
 def _sample_tokens(group: Group | GroupSummary, i: int) -> int:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dapo_mcore.config import load_config
 from dapo_mcore.config.presets import COMPONENTS_OFF
@@ -237,17 +238,27 @@ def test_validation_during_training_logs_held_out_metrics_and_draws_them(tmp_pat
 
 
 def test_validation_is_split_over_data_parallel_engine_replicas_with_partial_rollout(tmp_path):
-    """Two processes at DP 2 (one run for both): two engine replicas, each stopping its share of a round, the
-    unfinished groups gathered on every rank; and the held-out validation split over the replicas."""
+    """Two processes at DP 2 (one run for both): two engine replicas, each holding its own unfinished groups
+    and writing them into the save, resumed by one process (one replica, which continues them all); and the
+    held-out validation split over the replicas."""
     run_dir, held_out = tmp_path / "run", tmp_path / "held.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"What is {a}+1?\n", "answer": a + 1}) + "\n" for a in range(5)))
     evaluation = [f"data.eval_files={held_out}", "trainer.eval_interval=2", "trainer.eval_k=2"]
-    partial = ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8"]
-    cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", *evaluation, *partial,
-        f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled", ranks=2)  # fmt: skip
+    partial = ["rollout.partial_rollout=true", "rollout.gen_prompts_per_round=8", "checkpoint.save_interval=2"]
+    common = ["train", "examples/smoke_cpu.yaml", *SHORT, *evaluation, *partial, f"logging.run_dir={run_dir}",
+              "logging.wandb.mode=disabled"]  # fmt: skip
+    cli(*common, "trainer.steps=2", ranks=2)
     rows = read_rows(run_dir)
     training = [r for r in rows if "actor/train_tokens" in r]
     assert len(training) == 2 and all(r["actor/train_tokens"] > 0 for r in training)
     assert all(r["dynamic_sampling/kept_groups"] == 4 and "rollout/unfinished_groups" in r for r in training)
     assert [r["step"] for r in rows if "eval/held/avg@2" in r] == [0, 2]
     assert all(r["eval/held/problems"] == 5 for r in rows if "eval/held/avg@2" in r)  # an odd count over 2 replicas
+    pending = int(training[-1]["rollout/unfinished_groups"])
+    files = sorted((run_dir / "checkpoints/step_000002/rollout_pending").glob("*.pt"))  # one a replica holding any
+    assert sum(len(torch.load(f, weights_only=True)) for f in files) == pending
+    assert len(files) <= 2 and all(f.name.endswith("_of_00002.pt") for f in files)
+    print("pending groups at the save:", pending)
+    cli(*common, "trainer.steps=3", "checkpoint.resume=auto", ranks=1)
+    resumed = read_rows(run_dir)[-1]
+    assert resumed["step"] == 3 and (resumed["rollout/continued_answers"] > 0) == (pending > 0)

@@ -268,7 +268,7 @@ def test_every_summary_field_is_copied_verbatim_or_converted_and_survives_the_ro
     from dapo_mcore.data.types import Prompt, Sample
     from dapo_mcore.rollout import exchange
 
-    converted = {"response_len", "version_runs", "text", "routing_shape"}
+    converted = {"response_len", "version_runs", "routing_shape"}
     names = {f.name for f in dataclasses.fields(exchange.SampleSummary)}
     assert names == set(exchange.VERBATIM_FIELDS) | converted
     sample = Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "length", policy_step=7)

@@ -35,11 +35,11 @@ def forked_writer_signal() -> int:
 def test_megatrons_forked_checkpoint_writers_die_with_their_parent(monkeypatch):
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    from dapo_mcore.checkpoint import run_checkpoint
+    from dapo_mcore.checkpoint import writer_processes
 
     monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(parent_death_signal))
     assert forked_writer_signal() == 0  # Megatron's own: nothing asked
-    run_checkpoint._forked_writers_die_with_us()
-    run_checkpoint._forked_writers_die_with_us()  # once is enough: not wrapped twice
+    writer_processes.forked_writers_die_with_us()
+    writer_processes.forked_writers_die_with_us()  # once is enough: not wrapped twice
     assert FileSystemWriterAsync.write_preloaded_data.__wrapped__ is parent_death_signal
     assert forked_writer_signal() == signal.SIGKILL

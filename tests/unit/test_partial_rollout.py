@@ -71,8 +71,8 @@ def test_a_round_stops_once_the_step_has_its_groups_and_the_rest_waits():
     assert len(first.groups) == 4 and first.metrics["rollout/unfinished_groups"] > 0
     # the synchronous round ran until its longest answer; this one stopped at the 4th whole group
     assert engine.decode_steps < sync_engine.decode_steps
-    assert first.metrics["rollout/slot_utilization"] > 0 and part.unfinished
-    pending = [s for g in part.unfinished for s in g.samples if not s.finished]
+    assert first.metrics["rollout/slot_utilization"] > 0 and part.pending.own
+    pending = [s for g in part.pending.own for s in g.samples if not s.finished]
     assert pending and all(s.finish_reason == "abort" and s.policy_step == 0 for s in pending)
 
 
@@ -105,16 +105,16 @@ def test_groups_are_filtered_only_when_whole():
         assert len(batch.groups) == 4
         assert all(0 < g.accuracy < 1 for g in batch.groups)
         check_tags(batch, step, max_staleness=1)
-    assert all(not all(s.finished for s in g.samples) for g in sampler.unfinished)
+    assert all(not all(s.finished for s in g.samples) for g in sampler.pending.own)
 
 
 def test_the_unfinished_answers_are_saved_with_the_sampler_and_continued_after_a_resume():
     sampler, _ = make(dynamic_sampling=False)
     steps(sampler, 2)
-    assert sampler.unfinished
-    state = copy.deepcopy(sampler.state_dict())
+    assert sampler.pending.own
+    state, files = copy.deepcopy(sampler.state_dict()), copy.deepcopy(sampler.own_files())
     resumed, _ = make(dynamic_sampling=False)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict(state, read=files.__getitem__)
     after, again = steps(sampler, 3, first=2), steps(resumed, 3, first=2)
     for a, b in zip(after, again):
         assert a.metrics == b.metrics
@@ -155,11 +155,13 @@ def test_a_hand_edited_partial_rollout_buffer_is_refused_naming_the_group(edit, 
 
     sampler, _ = make(dynamic_sampling=False)
     sampler.next_batch(0, PhaseTimer())
-    state = copy.deepcopy(sampler.state_dict())
-    group = next(g for g in state["unfinished"] if any(len(s["response_ids"]) for s in g["samples"]))
+    state, files = copy.deepcopy(sampler.state_dict()), copy.deepcopy(sampler.own_files())
+    ((name, groups),) = files.items()
+    group = next(g for g in groups if any(len(s["response_ids"]) for s in g["samples"]))
     edit(next(s for s in group["samples"] if len(s["response_ids"])))
     fresh, _ = make(dynamic_sampling=False)
-    with pytest.raises(CheckpointError, match="the save's unfinished group") as err:
-        fresh.load_state_dict(state, step=1)
+    with pytest.raises(CheckpointError, match=f"the save's unfinished group [0-9]+ in {name}") as err:
+        fresh.load_state_dict(state, step=1, read=files.__getitem__)
     assert message in str(err.value), str(err.value)
-    fresh.load_state_dict(copy.deepcopy(sampler.state_dict()), step=1)  # as the run wrote it: taken
+    as_written = copy.deepcopy(sampler.own_files())
+    fresh.load_state_dict(copy.deepcopy(sampler.state_dict()), step=1, read=as_written.__getitem__)  # taken

@@ -27,8 +27,10 @@ def test_a_per_rank_process_carries_one_recipe_ranks_share_at_every_world_size()
     assert (shape.dp, shape.replicas, shape.updates_per_step) == (4, 4, 16)  # TP 8, engine TP 8
     for world in (2, 4, 8):
         counts = per_rank_counts(shape, world, load=1.0)
-        # a rank of the 32-GPU job trains 512 / 4 prompts a step; its replica generates 1536 / 4 a round
-        assert counts.prompts_per_step == world * 128 and counts.prompts_per_round == world * 384
+        # a rank of the 32-GPU job trains 512 / 4 prompts a step; its replica generates 1536 / 4 a round, and so
+        # does the rehearsal's one replica (engine TP gcd(8, world)), at least the prompts its ranks train
+        assert shape.engine_tp_at(world) == world
+        assert counts.prompts_per_step == world * 128 and counts.prompts_per_round == max(384, world * 128)
         assert counts.prompts_per_step * 16 // counts.mini_batch_size == 16  # the recipe's updates a step
     assert per_rank_counts(shape, 2, load=0.25).prompts_per_step == 2 * 32
     assert full_counts(shape, 2).prompts_per_step == 512 and full_counts(shape, 2).prompts_per_round == 1536
@@ -245,3 +247,22 @@ def test_a_moe_recipe_is_rehearsed_at_the_largest_expert_parallel_its_processes_
     assert [shape.expert_parallel_at(n) for n in (2, 4, 8, 6)] == [2, 4, 8, 2]
     overrides = rehearsal_overrides(full_counts(shape, 2), tmp_path, tmp_path / "run", 2048, 1, 1, True, 2)
     assert "parallel.expert_model_parallel_size=2" in overrides
+
+
+def test_a_recipe_is_rehearsed_at_the_largest_engine_tp_its_processes_allow_with_partial_rollout(tmp_path):
+    """Engine TP stayed 1 in every rehearsal, and partial rollout at engine TP > 1 was refused with the synthetic
+    engine: an engine replica's ranks agreeing on verdicts and stopping together was never rehearsed."""
+    recipe = str(REPO / "examples/dapo_qwen2.5_7b_h100.yaml")
+    assert RecipeShape.of(load_config(recipe, []), 8).engine_tp_at(2) == 1  # the recipe's engine TP 1
+    asked = ["rollout.engine_tp_size=2", "rollout.partial_rollout=true", "rollout.partial_oversample=2"]
+    shape = RecipeShape.of(load_config(recipe, asked), 8)
+    assert [shape.engine_tp_at(n) for n in (2, 4, 3)] == [2, 2, 1]
+    counts = per_rank_counts(shape, 4, load=0.1)
+    model = shrink_model(json.loads((REPO / "examples/models/Qwen2.5-7B/config.json").read_text()), tmp_path / "m")
+    overrides = rehearsal_overrides(counts, model, tmp_path / "run", 2048, 1, 1, True, 1, shape.engine_tp_at(4))
+    assert "rollout.engine_tp_size=2" in overrides
+    cfg = load_config(recipe, [*asked, *overrides])
+    assert cfg.rollout.engine == "synthetic" and cfg.rollout.partial_rollout
+    validate(cfg)  # refused before: only the vllm adapter stopped an engine's TP ranks together
+    with pytest.raises(ConfigError, match="only the vllm adapter .* stops an engine's TP ranks at one step"):
+        validate(load_config(recipe, [*asked, *overrides, "rollout.engine=hf", "algorithm.reward.verifier=dapo"]))

@@ -30,9 +30,12 @@ def saved_through_torch(state):
     return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
 
 
-def as_old_format(state):
-    """A sampler state as saves before tensors held it: the 1-D per-token fields as lists."""
-    return {**state, "carry": _old_groups(state["carry"]), "unfinished": _old_groups(state["unfinished"])}
+def as_old_format(state, files):
+    """A sampler state as saves before tensors held it and before its pending groups had owners: the 1-D
+    per-token fields as lists, every unfinished group in the common state."""
+    unfinished = [g for name in sorted(files) for g in files[name]]
+    common = {k: v for k, v in state.items() if k != "pending"}
+    return {**common, "carry": _old_groups(state["carry"]), "unfinished": _old_groups(unfinished)}
 
 
 def _old_groups(groups):
@@ -50,15 +53,18 @@ def response_tokens(batch):
 def sampler_with_unfinished_answers():
     sampler, _ = make(dynamic_sampling=False)
     steps(sampler, 2)
-    longest = max(len(s.response_ids) for g in sampler.unfinished for s in g.samples)
+    longest = max(len(s.response_ids) for g in sampler.pending.own for s in g.samples)
     assert longest >= 20, "the test needs long unfinished answers"
     return sampler
 
 
 def test_a_saved_sampler_with_unfinished_answers_holds_no_per_token_lists():
-    state = saved_through_torch(sampler_with_unfinished_answers().state_dict())
-    assert max(len(found) for found in number_lists(state)) <= 2  # version runs: [version, n_tokens]
-    saved = [s for g in state["unfinished"] + state["carry"] for s in g["samples"]]
+    sampler = sampler_with_unfinished_answers()
+    state, files = saved_through_torch(sampler.state_dict()), saved_through_torch(sampler.own_files())
+    assert max(len(found) for found in number_lists(state)) <= 3  # records: [version, answers begun, tokens]
+    assert max(len(found) for found in number_lists(files)) <= 2  # version runs: [version, n_tokens]
+    unfinished = [g for groups in files.values() for g in groups]
+    saved = [s for g in unfinished + state["carry"] for s in g["samples"]]
     for field, dtype in TENSOR_DTYPES.items():
         assert all(isinstance(s[field], torch.Tensor) and s[field].dtype == dtype for s in saved), field
 
@@ -66,10 +72,10 @@ def test_a_saved_sampler_with_unfinished_answers_holds_no_per_token_lists():
 @pytest.mark.parametrize("old_format", [False, True])
 def test_a_resumed_sampler_continues_its_unfinished_answers_as_the_uninterrupted_one(old_format):
     sampler = sampler_with_unfinished_answers()
-    state = saved_through_torch(sampler.state_dict())
+    state, files = saved_through_torch(sampler.state_dict()), saved_through_torch(sampler.own_files())
     resumed, _ = make(dynamic_sampling=False)
-    resumed.load_state_dict(as_old_format(state) if old_format else state)
-    for group in resumed.unfinished:  # one representation of tokens, whichever format the save had
+    resumed.load_state_dict(as_old_format(state, files) if old_format else state, read=files.__getitem__)
+    for group in resumed.pending.own:  # one representation of tokens, whichever format the save had
         assert all(isinstance(s.response_ids, torch.Tensor) for s in group.samples)
     for a, b in zip(steps(sampler, 3, first=2), steps(resumed, 3, first=2)):
         assert a.metrics == b.metrics

@@ -257,7 +257,7 @@ def test_partial_rollout_through_the_sampler_continues_unfinished_answers_at_the
     eng = engine(mean_len_first=30, mean_len_last=30, length_sigma=1.0)
     s = sampler_over(eng, partial_rollout=True, partial_oversample=2.0, max_response_len=256)
     first = s.next_batch(0, PhaseTimer())
-    assert len(first.groups) == 16 and s.unfinished  # the round stopped with answers under way
+    assert len(first.groups) == 16 and s.pending.own  # the round stopped with answers under way
     eng.step = 1
     second = s.next_batch(1, PhaseTimer())
     assert second.metrics["rollout/continued_answers"] > 0

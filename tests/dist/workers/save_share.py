@@ -14,7 +14,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from dapo_mcore.checkpoint.model_checkpoint import model_sharded_state_dict
-from dapo_mcore.checkpoint.run_checkpoint import _allocate_optimizer_state, optimizer_state
+from dapo_mcore.checkpoint.optimizer_format import allocate_optimizer_state, optimizer_state
 from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
 from dapo_mcore.config.schema import CheckpointConfig
 from dapo_mcore.mcore.actor import ActorSettings, OptimizerSettings, build_actor
@@ -56,7 +56,7 @@ def main():
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=True,
     )  # fmt: skip
     actor = build_actor(ctx, spec, chunks, opt, ActorSettings(micro_batch_size=8, temperature=1.0, pad_id=0))
-    _allocate_optimizer_state(actor.optimizer)
+    allocate_optimizer_state(actor.optimizer)
     inner = actor.optimizer.optimizer
     own = tensor_bytes([list(inner.state.values()), [g["params"] for g in inner.param_groups]])
     result = {"own": own}
