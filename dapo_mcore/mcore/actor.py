@@ -47,6 +47,7 @@ from dapo_mcore.data.batching import (
     token_budget_micro_batches,
 )
 from dapo_mcore.data.types import Sample
+from dapo_mcore.mcore.compute_selection import compute_selection
 from dapo_mcore.mcore.fused_logprobs import (
     chunked_logprobs,
     chunked_logprobs_with_loss_grad,
@@ -64,10 +65,6 @@ _QUANTILES = (0.5, 0.9, 0.99)
 
 
 PACKING_MODES = ("off", "mask", "thd")
-# A rehearsal (trainer.rehearsal_micro_batches) computes a micro-batch's first rows, each cut to its first
-# REHEARSAL_LENGTH positions, within REHEARSAL_TOKENS tokens: the same compute and workspace at every world size
-# (4 rows x 4 heads x 1024^2 fp32 scores = 64 MB with the rehearsal's model), whatever lengths were drawn.
-REHEARSAL_TOKENS, REHEARSAL_LENGTH = 4096, 1024
 
 
 def packing_mode(choice: str, use_te: bool) -> str:
@@ -105,7 +102,8 @@ class ActorSettings:
     # Mixture-of-experts models: the routers use the experts the engine chose (Sample.routed_experts) where
     # known (model.routing_replay=rollout); False: their own, the agreement with the engine measured.
     routing_replay: bool = False
-    # Rehearsals only (trainer.rehearsal_micro_batches): > 0 computes only this many micro-batches of a step.
+    # Rehearsals only (trainer.rehearsal_micro_batches): > 0 computes only this many micro-batches of a step
+    # (mcore/compute_selection.py).
     rehearsal_micro_batches: int = _TRAINER.rehearsal_micro_batches
 
     def __post_init__(self):
@@ -140,6 +138,7 @@ class PolicyRunner:
         if settings.fused_logprobs and ctx.is_last_stage:
             install_passthrough_head(self._head, ctx.pg.tp)
         self.routing = RoutingReplay(ctx, spec, chunks, settings.routing_replay) if spec.is_moe else None
+        self.selection = compute_selection(settings.rehearsal_micro_batches, self._multiple)
 
     @property
     def dp_split(self) -> DataParallelSplit:
@@ -162,44 +161,15 @@ class PolicyRunner:
         for chunk in self.chunks:
             chunk.eval()
         for j, micro in enumerate(batches.mini_batches):
-            computed = self._computed(j, micro)
+            computed = self.selection.computed(j, micro)
             outputs = {}
             if computed:
-                to_compute = [self._rehearsal_cut(micro[i]) for i in computed]
+                to_compute = [self.selection.cut(micro[i]) for i in computed]
                 outputs = dict(zip(computed, self._run_schedule(to_compute, forward_only=True)))
             if self.ctx.is_last_stage:
                 for i, mb in enumerate(micro):
-                    at_response = mb.response_mask > 0
-                    logprobs_bs = outputs.get(i)
-                    if logprobs_bs is None or logprobs_bs.shape != mb.rollout_logprobs.shape:
-                        # a rehearsal's positions left uncomputed take the engine's log-probs
-                        computed, logprobs_bs = logprobs_bs, mb.rollout_logprobs.clone()
-                        if computed is not None:
-                            logprobs_bs[: computed.shape[0], : computed.shape[1]] = computed
-                    setattr(mb, attr, torch.where(at_response, logprobs_bs.to(mb.response_mask.dtype), 0.0))
-
-    def _computed(self, mini_batch: int, micro: list[MicroBatch]) -> list[int]:
-        """Which micro-batches of mini-batch `mini_batch` this policy computes: all of them, or in a rehearsal
-        (trainer.rehearsal_micro_batches = k) the k with the shortest rows of the first mini-batch (each cut to
-        its first rows within REHEARSAL_TOKENS, _rehearsal_cut) and none of the others. The shortest rows: the
-        local layers' attention scores grow with rows x length^2 (one 16k-token row took 4.4 GB), and the head
-        with the tokens (3 ms each on a CPU core at a 152k vocabulary). Every rank takes the same number from the
-        same mini-batches, so the collectives match."""
-        k = self.settings.rehearsal_micro_batches
-        if k == 0:
-            return list(range(len(micro)))
-        if mini_batch > 0:
-            return []
-        shortest = sorted(range(len(micro)), key=lambda i: (micro[i].tokens.shape[1], micro[i].tokens.numel(), i))
-        return sorted(shortest[:k])
-
-    def _rehearsal_cut(self, mb: MicroBatch) -> MicroBatch:
-        """In a rehearsal, a computed micro-batch's first rows and positions (views) within REHEARSAL_LENGTH a row
-        and REHEARSAL_TOKENS in all. The whole micro-batch is still built and held; only the compute is cut."""
-        if not self.settings.rehearsal_micro_batches or mb.segment_ids is not None:  # packed rows: kept whole
-            return mb
-        length = min(mb.tokens.shape[1], round_up(REHEARSAL_LENGTH, self._multiple))
-        return _first_rows(mb, max(1, REHEARSAL_TOKENS // length), length)
+                    logprobs_bs = self.selection.logprobs(outputs.get(i), mb)
+                    setattr(mb, attr, torch.where(mb.response_mask > 0, logprobs_bs.to(mb.response_mask.dtype), 0.0))
 
     def fill_logprobs(self, samples: list[Sample], mini_batches: list[list[int]], attr: str) -> None:
         """Set `sample.<attr>` (a list) for the samples this rank trains on (last pipeline stage only): for
@@ -466,11 +436,11 @@ class MegatronActor(PolicyRunner):
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for j, micro in enumerate(batches.mini_batches):
-            computed = self._computed(j, micro)
+            computed = self.selection.computed(j, micro)
             if not computed:  # a rehearsal's mini-batch left uncomputed: no update (the same on every rank)
                 skipped += 1
                 continue
-            sums = self._reduce(self._gradients([self._rehearsal_cut(micro[i]) for i in computed]))
+            sums = self._reduce(self._gradients([self.selection.cut(micro[i]) for i in computed]))
             totals += sums
             if sums[1] == 0:  # no loss token left (all masked or guarded): an Adam step would still move
                 skipped += 1
@@ -716,17 +686,6 @@ def _one_shape(plans: list[tuple[list[int], int]]) -> list[tuple[list[int], int]
     """
     rows_max, length_max = max(len(rows) for rows, _ in plans), max(length for _, length in plans)
     return [(rows + [-1] * (rows_max - len(rows)), length_max) for rows, _ in plans]
-
-
-def _first_rows(mb: MicroBatch, rows: int, length: int) -> MicroBatch:
-    """The micro-batch's first `rows` rows and first `length` positions of each (views of its tensors, [b, s,
-    ...]); a sample cut short loses the loss of its later tokens."""
-    rows = min(rows, mb.tokens.shape[0])
-    cut = {k: (v[:rows, :length] if isinstance(v, torch.Tensor) else v) for k, v in vars(mb).items()}
-    cut["sample_index"] = mb.sample_index[:rows]
-    cut["segments"] = [segment for segment in mb.segments if segment[1] < rows]
-    cut["real_tokens"] = mb.real_tokens * rows * length // mb.tokens.numel()  # (a statistic only)
-    return MicroBatch(**cut)
 
 
 def _one_row(mb: MicroBatch) -> MicroBatch:

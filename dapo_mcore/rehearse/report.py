@@ -289,8 +289,8 @@ class Rehearsal:
             "replicas",
             f"- model: the recipe's vocabulary, experts and top-k; hidden {HIDDEN}, {LAYERS} layers "
             "(rehearse/setup.py)",
-            f"- each process: one actor DP rank and one synthetic engine replica, {self.steps} step(s)"
-            + (", a save and its resume (a second launch)" if self.saves else ", no save"),
+            f"- each process: one actor DP rank and {_engine_share(s.engine_tp)} of the synthetic engine, "
+            f"{self.steps} step(s)" + (", a save and its resume (a second launch)" if self.saves else ", no save"),
         ]
         if s.expert_parallel > 1:
             lines.append(
@@ -305,6 +305,15 @@ class Rehearsal:
                 "every other one is built and held as in training"
             )
         return "\n".join(lines)
+
+
+def _engine_share(engine_tp: int) -> str:
+    if engine_tp == 1:
+        return "one replica"
+    return (
+        f"one TP rank of a replica (the recipe's engine TP {engine_tp}, rehearsed at the largest that divides it and "
+        "N: its ranks generate alike, agree on verdicts and stop together)"
+    )
 
 
 def _host_memory_gib() -> float:

@@ -9,8 +9,9 @@ drops and the metrics are decided from, identically on every rank.
 
 New prompts go to the replica with the fewest groups so far (the lowest index on ties): with nothing pending
 that is the round-robin split of a synchronous round. A round's groups come back in one order on every rank:
-every replica's pending groups (replica by replica, each in its own order), then the new prompts in the order
-they were taken.
+the replicas' pending groups interleaved (each replica's first, then each one's second, ...: a step's batch,
+taken from the front, then draws on every replica alike, and so does the sending of its tokens), then the new
+prompts in the order they were taken.
 
 Per rank at the paper's shape: its replica's pending groups only (total / replicas; an engine replica's TP ranks
 each hold its copy, as they generate it), where each rank held every replica's before; a save writes each
@@ -95,7 +96,10 @@ class PendingGroups:
         """A round's summaries (each replica's, for its round_inputs) in the one order every rank uses."""
         pending = [list(s[: len(infos)]) for s, infos in zip(per_replica, self.info)]
         new = [iter(s[len(infos) :]) for s, infos in zip(per_replica, self.info)]
-        return [g for share in pending for g in share] + [next(new[replica]) for replica in dealt]
+        interleaved = [
+            share[i] for i in range(max(map(len, pending), default=0)) for share in pending if i < len(share)
+        ]
+        return interleaved + [next(new[replica]) for replica in dealt]
 
     def replace(self, per_replica: Sequence[Sequence[GroupSummary]], own_unfinished: list[Group]) -> None:
         """After a round: every replica's unfinished groups (from its summaries, in its order) and this

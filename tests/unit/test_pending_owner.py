@@ -187,3 +187,18 @@ def test_a_pending_file_that_does_not_hold_what_the_records_list_is_refused():
 def test_new_prompts_go_to_the_least_loaded_replica_first():
     assert deal([0, 0, 0], 5) == [0, 1, 2, 0, 1]  # nothing pending: the round-robin split
     assert deal([3, 0, 1], 4) == [1, 1, 2, 1]
+
+
+def test_a_rounds_groups_come_back_with_the_replicas_pending_ones_interleaved_then_the_new_in_order():
+    """A step's batch is taken from the front of this order: replica by replica, the first replica's pending groups
+    filled it and its ranks sent most of its tokens (9.4 MB against 4.7 received by the worst rank of a
+    4-process rehearsal)."""
+    from dapo_mcore.rollout.pending import PendingGroups
+    from dapo_mcore.rollout.placement import ReplicaSplit
+
+    pending = PendingGroups(ReplicaSplit(rank=0, world_size=2, tp_size=1))
+    pending.info = [[PendingInfo(0, 1, 5)] * 3, [PendingInfo(0, 1, 5)]]
+    dealt = pending.deal_new(4)
+    assert dealt == [1, 1, 0, 1]
+    shares = [["a0", "a1", "a2", "new2"], ["b0", "new0", "new1", "new3"]]
+    assert pending.in_order(shares, dealt) == ["a0", "b0", "a1", "a2", "new0", "new1", "new2", "new3"]

@@ -215,18 +215,27 @@ def test_a_rehearsals_computed_micro_batch_is_its_first_rows_and_positions():
     positions a row, whatever lengths were drawn (the whole micro-batch stays built and held)."""
     from dapo_mcore.data.batching import build_micro_batch
     from dapo_mcore.data.types import Sample
-    from dapo_mcore.mcore.actor import _first_rows
+    from dapo_mcore.mcore.compute_selection import EveryMicroBatch, compute_selection
 
     samples = [
         Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), rollout_logprobs=[-0.5] * n, finish_reason="stop")
         for n in (3000, 2500, 2000, 1500, 1200, 1100)
     ]
     mb = build_micro_batch(samples, list(range(6)), 3008, pad_id=0)
-    cut = _first_rows(mb, 4, 1024)
+    selection = compute_selection(1, multiple=8)
+    cut = selection.cut(mb)
     assert cut.tokens.shape == cut.loss_mask.shape == cut.old_logprobs.shape == (4, 1024)
     assert cut.sample_index == [0, 1, 2, 3] and [seg[1] for seg in cut.segments] == [0, 1, 2, 3]
     assert cut.tokens.data_ptr() == mb.tokens.data_ptr()  # a view: nothing copied
     assert mb.tokens.shape == (6, 3008)
+    # the positions left uncomputed take the engine's log-probs; the computed ones are the model's
+    full = selection.logprobs(torch.full((4, 1024), -2.0), mb)
+    assert full.shape == mb.rollout_logprobs.shape and (full[:4, :1024] == -2.0).all()
+    assert torch.equal(full[4:], mb.rollout_logprobs[4:]) and torch.equal(full[:, 1024:], mb.rollout_logprobs[:, 1024:])
+    short = build_micro_batch(samples[4:], [0, 1], 1208, pad_id=0)
+    assert selection.computed(0, [mb, short]) == [1] and selection.computed(1, [mb, short]) == []  # shortest, first
+    training = compute_selection(0, multiple=8)
+    assert type(training) is EveryMicroBatch and training.computed(3, [mb, short]) == [0, 1] and training.cut(mb) is mb
 
 
 def test_a_small_per_rank_load_keeps_mini_batches_the_trainer_takes():
