@@ -22,7 +22,7 @@ mkdir -p "$out"
 py="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 all="env gpu-tests bench-logprob bench-actor bench-packing bench-memory dapo-step bench-actor-te bench-fp8"
-all="$all bench-mfu dapo-stack dapo-stack-demo moe-vllm bench-rollout bench-weight-sync"
+all="$all bench-mfu dapo-stack dapo-stack-demo sleep2-demo moe-vllm bench-rollout bench-weight-sync"
 steps=" ${STEPS:-$all} "
 status=()
 has() { "$py" -c "import $1" >/dev/null 2>&1; }
@@ -124,10 +124,15 @@ if has vllm; then
     rollout.sampling.max_response_len=512 algorithm.overlong.buffer_len=128 trainer.mini_batch_size=128 \
     trainer.micro_batch_size=16 trainer.steps=10
   dapo_run dapo-stack-demo 300 trainer.steps=30
+  # sleep level 2 (weights and KV cache freed while the actor trains, no pinned host copy of the weights): the
+  # push must restore every weight and vLLM its buffers; the mismatch guard's engine/actor log-prob gap says so
+  dapo_run sleep2-demo 200 trainer.steps=10 rollout.sleep_level=2
   dapo_run moe-vllm 240 model.hf_path=examples/models/tiny-arith-moe model.routing_replay=rollout trainer.steps=3
   step bench-rollout "$py" tools/bench_rollout.py --prompts 64 --n 16 --max-new 1024
   step bench-weight-sync "$py" tools/bench_weight_sync.py --engine vllm --bucket-mb 64 256 512 1024
 else
-  for s in dapo-stack dapo-stack-demo moe-vllm bench-rollout bench-weight-sync; do skip $s "vllm does not import"; done
+  for s in dapo-stack dapo-stack-demo sleep2-demo moe-vllm bench-rollout bench-weight-sync; do
+    skip $s "vllm does not import"
+  done
 fi
 printf '%s\n' "${status[@]}"
