@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_mcore.parallel import cpu_mode
+import dapo_mcore.parallel.cpu_mode as cpu_mode
 from dapo_mcore.parallel.gloo_net import choose_gloo_interface
 from dapo_mcore.parallel.liveness import PeerWatch, gone_peer_line
 from dapo_mcore.utils.errors import LayoutError
