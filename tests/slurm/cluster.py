@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -56,6 +57,9 @@ from tests.slurm.netns import CONTROLLER, NetworkUnavailable, NodeNetwork
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+# Taken by every process that installs Slurm: the suite's workers start the one-node and the multi-node clusters at
+# once, and a second apt-get found dpkg's lock held, failed, and its tests were skipped with the suite green.
+INSTALL_LOCK = Path(tempfile.gettempdir()) / "dapo-mcore-slurm-install.lock"
 NODE = "localhost"
 # Job states after which a job will not run again (PENDING, RUNNING, COMPLETING, REQUEUED... are not final).
 FINAL_STATES = frozenset(
@@ -202,9 +206,18 @@ class SlurmCluster:
 
     @classmethod
     def ensure_installed(cls, timeout: float = 900.0) -> None:
-        """Install slurm-wlm and munge with apt-get (as root) when a binary is missing; SlurmUnavailable if not."""
+        """Install slurm-wlm and munge with apt-get (as root) when a binary is missing; SlurmUnavailable if not.
+        One process at a time (INSTALL_LOCK): the others wait, then find it installed."""
+        if not cls.missing():
+            return
+        with open(INSTALL_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            cls._install(timeout)
+
+    @classmethod
+    def _install(cls, timeout: float) -> None:
         missing = cls.missing()
-        if not missing:
+        if not missing:  # another process installed it while this one waited for the lock
             return
         if os.geteuid() != 0:
             raise SlurmUnavailable(f"Slurm is not installed ({', '.join(missing)} missing) and we are not root")
@@ -221,7 +234,13 @@ class SlurmCluster:
                 made_policy = True
         try:
             proc = subprocess.run(
-                ["bash", "-c", "apt-get update && apt-get install -y --no-install-recommends slurm-wlm munge"],
+                # another apt (the system's own) may hold dpkg's lock: wait for it rather than fail
+                [
+                    "bash",
+                    "-c",
+                    "apt-get -o DPkg::Lock::Timeout=300 update && apt-get -o DPkg::Lock::Timeout=300 "
+                    "install -y --no-install-recommends slurm-wlm munge",
+                ],  # fmt: skip
                 env=env,
                 capture_output=True,
                 text=True,

@@ -3,21 +3,31 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.slurm.cluster import SlurmCluster, SlurmUnavailable
 
 
+def unavailable(reason: str) -> None:
+    """Skip, or under CI=true fail: CI must run the cluster tests, not pass without them."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{reason} (CI=true: the Slurm tests must run)", pytrace=False)
+    pytest.skip(reason)
+
+
 def running(cluster: SlurmCluster, workdir, not_started: str):
-    """Install Slurm if needed, start `cluster` in `workdir`, yield it and stop it; skip where either fails."""
+    """Install Slurm if needed, start `cluster` in `workdir`, yield it and stop it; skip where either fails (fail
+    under CI=true)."""
     try:
         SlurmCluster.ensure_installed()
     except SlurmUnavailable as exc:
-        pytest.skip(f"no Slurm: {exc}")
+        unavailable(f"no Slurm: {exc}")
     try:
         cluster.start(workdir)
     except SlurmUnavailable as exc:
-        pytest.skip(f"{not_started}: {exc}")
+        unavailable(f"{not_started}: {exc}")
     try:
         yield cluster
     finally:
