@@ -297,6 +297,13 @@ def watch_time_limit(enabled: bool, margin_s: float, save_bytes: int, environ: M
     _state.job_clock, _state.warning_deferred = None, False
     job_end = job_end_time(environ) if enabled else None
     if job_end is None:
+        problem = unreadable_job_end(environ) if enabled else None
+        if problem:
+            log.warning(
+                "the job's end time could not be read (%s): this run will not stop and save by itself before the "
+                "job's time limit; it saves every checkpoint.save_interval steps and on SIGTERM as usual",
+                problem,
+            )
         return None
     start = now()
     job_id = environ.get("SLURM_JOB_ID", "")
@@ -337,13 +344,33 @@ def job_end_time(environ: Mapping[str, str]) -> float | None:
 def squeue_end_time(job_id: str) -> float | None:
     """`squeue -h -j ID -o %e`: the job's end in local time ("2026-11-25T14:02:11"); None when there is no
     job id or squeue, it fails, or the job has no end ("N/A", "Unknown")."""
+    return squeue_end(job_id)[0]
+
+
+def squeue_end(job_id: str) -> tuple[float | None, str]:
+    """(squeue_end_time, why squeue gave no answer: "" when it answered, with an end or with none)."""
     if not job_id:
-        return None
+        return None, "no SLURM_JOB_ID"
     try:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return None, f"squeue: {type(err).__name__}: {err}"
+    if out.returncode != 0:
+        return None, f"squeue -j {job_id} exited {out.returncode}: {' '.join(out.stderr.split())[:200]}"
+    return parse_squeue_time(out.stdout), ""
+
+
+def unreadable_job_end(environ: Mapping[str, str]) -> str | None:
+    """Inside a Slurm job whose end time job_end_time could not give: what stood in the way, or None where
+    the job simply has no time limit (squeue says N/A or Unknown) or this is no Slurm job."""
+    job_id = environ.get("SLURM_JOB_ID", "")
+    if not job_id:
         return None
-    return parse_squeue_time(out.stdout) if out.returncode == 0 else None
+    _, problem = squeue_end(job_id)
+    if not problem:
+        return None
+    raw = environ.get("SLURM_JOB_END_TIME")
+    return (f"SLURM_JOB_END_TIME={raw!r}, " if raw is not None else "") + problem
 
 
 def parse_squeue_time(text: str) -> float | None:

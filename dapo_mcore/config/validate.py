@@ -3,6 +3,8 @@ and mcore/). Each failure names the keys involved and their values."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from dapo_mcore.config.schema import RunConfig
@@ -81,6 +83,10 @@ def _check_checkpoint(cfg: RunConfig) -> None:
     _require(ck.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {ck.save_interval}")
     _require(ck.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {ck.keep_last}")
     _require(ck.sigterm_grace_s >= 0, f"checkpoint.sigterm_grace_s must be >= 0, got {ck.sigterm_grace_s}")
+    _require(  # NaN compares False with every step time: the run stopped after every step with hours left
+        math.isfinite(ck.time_limit_margin_s) and ck.time_limit_margin_s >= 0,
+        f"checkpoint.time_limit_margin_s must be a number of seconds >= 0, got {ck.time_limit_margin_s}",
+    )
     _require(ck.hf_export_interval >= 0, f"checkpoint.hf_export_interval must be >= 0, got {ck.hf_export_interval}")
     _require(bool(ck.resume), 'checkpoint.resume is empty: use "none", "auto", "force" or the path of a save')
     if ck.resume not in ("none", "auto", "force"):
@@ -323,7 +329,25 @@ def _check_data(cfg: RunConfig) -> None:
     _require(path.is_file(), f"data.source: file not found: {path}")
 
 
+def _check_numbers(cfg: RunConfig) -> None:
+    """No setting is NaN: it compares False with everything, so a bound written `x >= 0` let it through and a
+    NaN margin, clip or rate then acted as neither small nor large."""
+    nan = next((key for key, value in _settings(cfg) if isinstance(value, float) and math.isnan(value)), None)
+    _require(nan is None, f"{nan}=nan: a setting must be a number")
+
+
+def _settings(node, prefix: str = ""):
+    """(dotted key, value) of every leaf setting of the config tree."""
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if is_dataclass(value):
+            yield from _settings(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
 _SECTIONS = (
+    _check_numbers,
     _check_parallel,
     _check_model,
     _check_algorithm,

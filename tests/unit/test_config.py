@@ -131,6 +131,10 @@ def test_every_schema_key_is_listed():
         ("data.source=missing.jsonl", "file not found"),
         ("data.ops=/", "data.ops must be made of"),
         ("model.hf_path=/nonexistent", "no config.json"),
+        # NaN passed every `x >= 0` bound: under Slurm a NaN margin stopped the run after every step
+        ("checkpoint.time_limit_margin_s=nan", "checkpoint.time_limit_margin_s=nan: a setting must be a number"),
+        ("checkpoint.time_limit_margin_s=-5", "time_limit_margin_s must be a number of seconds >= 0, got -5"),
+        ("algorithm.clip_high=nan", "algorithm.clip_high=nan: a setting must be a number"),
     ],
 )
 def test_semantic_checks_name_the_offending_keys(override, message, tiny_llama_dir):

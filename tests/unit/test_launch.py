@@ -4,8 +4,10 @@ Python dropped still stops the run at the next step boundary."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -402,3 +404,24 @@ def test_a_time_limit_stop_creates_the_stop_file_so_the_batch_script_requeues(mo
     own = launch.StoppedToResume(launch.TIME_LIMIT_REASON + " (a step of up to 9 s ...)", 9, tmp_path / "step_9")
     marker = launch.mark_saved_stop(own)
     assert stop_file.exists() and marker.read_text().startswith("stopped by the job's time limit (a step of up to 9")
+
+
+def test_a_job_end_that_cannot_be_read_is_said_once_not_silently_ignored(monkeypatch, no_job_clock, caplog):
+    """The self-timed stop was turned off without a word when neither SLURM_JOB_END_TIME nor squeue answered."""
+
+    def failing_squeue(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "slurm_load_jobs error: Unable to contact slurm controller")
+
+    monkeypatch.setattr(launch.subprocess, "run", failing_squeue)
+    environ = {"SLURM_JOB_ID": "17", "SLURM_JOB_END_TIME": "soon"}
+    with caplog.at_level(logging.WARNING):
+        assert launch.watch_time_limit(True, 120.0, 10**9, environ) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("the job's end time could not be read (SLURM_JOB_END_TIME='soon', squeue -j 17 exited 1")
+    assert "will not stop and save by itself" in warning
+    caplog.clear()
+    no_limit = lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "Unknown\n", "")  # noqa: E731
+    monkeypatch.setattr(launch.subprocess, "run", no_limit)  # a job without a time limit: nothing to say
+    with caplog.at_level(logging.WARNING):
+        assert launch.watch_time_limit(True, 120.0, 10**9, {"SLURM_JOB_ID": "17"}) is None
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
