@@ -89,7 +89,7 @@ examples:
   dapo-mcore train examples/smoke_cpu.yaml                       the CPU demo (60 steps, runs/smoke_cpu/)
   dapo-mcore plan examples/dapo_qwen2.5_7b_h100.yaml --gpus 8 --model-config examples/models/Qwen2.5-7B
   dapo-mcore check examples/dapo_qwen2.5_7b_h100.yaml            before sbatch, where the job's files are
-  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32
+  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32 --top-p 1.0
   dapo-mcore keys algorithm.overlong                             keys with their defaults and descriptions
   dapo-mcore plot runs/smoke_cpu --keys 'time/*' actor/entropy   chosen metrics, one panel each
   dapo-mcore rehearse examples/dapo_qwen2.5_32b_h100.yaml --gpus 32 --model-config examples/models/Qwen2.5-32B
@@ -121,8 +121,9 @@ examples:
 """,
     "eval": """\
 examples:
-  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32
-  dapo-mcore eval runs/smoke_cpu --data examples/data/sums-eval64.jsonl --k 8 --max-new-tokens 32 --out eval.json
+  dapo-mcore eval examples/models/tiny-arith --data examples/data/sums.jsonl --k 8 --max-new-tokens 32 --top-p 1.0
+  dapo-mcore eval runs/smoke_cpu --data examples/data/sums-eval64.jsonl --k 8 --max-new-tokens 32 --top-p 1.0 \
+      --out eval.json
 """,
     "plot": """\
 examples:
@@ -271,7 +272,7 @@ def _add_rehearse_parsers(sub) -> None:
     cmd.add_argument("--gpu-gb", type=_size, default=80.0, help="memory of one GPU for the planner (default 80)")
     cmd.add_argument("--out", help="where the runs and report.md go (default runs/rehearsal/NAME-MODE-LEN)")
     cmd.set_defaults(func=_rehearse)
-    rank = sub.add_parser("rehearse-rank", help=argparse.SUPPRESS)  # what rehearse launches under torchrun
+    rank = sub.add_parser("rehearse-rank")  # what rehearse launches under torchrun; no help: not listed
     rank.add_argument("--records", required=True)
     rank.add_argument("recipe")
     rank.add_argument("overrides", nargs="*")
@@ -297,7 +298,11 @@ def _add_plot_parser(sub) -> None:
         "--keys", nargs="+", metavar="KEY",
         help="one panel per metric key or glob (time/*); default: the grid of curves.png",
     )  # fmt: skip
-    cmd.add_argument("--out", help="PNG to write (default: curves.png, or plot.png with --keys, beside metrics.jsonl)")
+    cmd.add_argument(
+        "--out",
+        help="PNG to write, or a directory to write it in (default: curves.png, or plot.png with --keys, beside "
+        "metrics.jsonl)",
+    )
     cmd.set_defaults(func=_plot)
 
 
@@ -310,7 +315,10 @@ def _plot(args: argparse.Namespace) -> int:
     metrics = Path(args.run) / "metrics.jsonl" if Path(args.run).is_dir() else Path(args.run)
     if not metrics.is_file():
         raise ConfigError(f"plot: no metrics file at {metrics} (give a run directory or its metrics.jsonl)")
-    out = Path(args.out) if args.out else metrics.parent / ("plot.png" if args.keys else "curves.png")
+    default_name = "plot.png" if args.keys else "curves.png"
+    out = Path(args.out) if args.out else metrics.parent / default_name
+    if out.is_dir() or (args.out or "").endswith("/"):  # --out DIR: the default name inside it (not DIR.png beside)
+        out = out / default_name
     if not out.parent.is_dir():
         raise ConfigError(f"plot: --out {out}: no directory {out.parent}")
     panels = plot_run(metrics, out, title=metrics.parent.name, keys=args.keys)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -185,6 +186,8 @@ class SafetensorsShardWriter:
         for i, tmp_name in enumerate(self._written):
             final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
             (self.out_dir / tmp_name).rename(self.out_dir / final)
+            # safetensors writes its files for their owner alone (0600); an export is for others to read too
+            (self.out_dir / final).chmod(0o666 & ~_umask())
             index.update({name: final for name, shard in self._weight_map.items() if shard == tmp_name})
         size = sum((self.out_dir / f).stat().st_size for f in set(index.values()))
         meta = {"metadata": {"total_size": size}, "weight_map": dict(sorted(index.items()))}
@@ -212,6 +215,12 @@ def copy_hf_files(src_dir: Path, dst_dir: Path) -> None:
         for src in Path(src_dir).glob(pattern):
             if src.is_file() and not src.name.endswith(".index.json"):
                 shutil.copy2(src, dst_dir / src.name)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_hf_config(source_dir: Path, out_dir: Path, dtype: torch.dtype) -> None:

@@ -90,14 +90,20 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl; a row cut short (a killed run's last) is left out, as roll_back_metrics does."""
+    """The rows of a metrics.jsonl; a row cut short (a killed run's last) is left out, as roll_back_metrics does,
+    and so is a line that is JSON but not a row (an object), with one warning naming it."""
     rows = []
     with Path(path).open() as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             with contextlib.suppress(json.JSONDecodeError):
-                rows.append(json.loads(line))
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    rows.append(row)
+                else:
+                    log.warning("%s line %d is not a metrics row (a JSON object): %.60s; left out", path, number,
+                                line.strip())  # fmt: skip
     return rows
 
 

@@ -66,6 +66,18 @@ def test_help_ends_with_an_example_of_each_command(capsys):
     out = capsys.readouterr().out
     for command in ("train", "plan", "check", "eval", "keys", "plot"):
         assert f"\n  dapo-mcore {command} " in out.split("examples:")[1], command
+    assert "SUPPRESS" not in out and "rehearse-rank" not in out  # the launcher's own subcommand is not listed
+
+
+@pytest.mark.parametrize("command", [[], ["eval"]])
+def test_every_eval_example_asks_for_top_p_1(command, capsys):
+    """The default top-p 0.7 (the paper's AIME setting) printed zeros on the demo model: the README's example says
+    --top-p 1.0, and --help's examples now do too."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    examples = capsys.readouterr().out.split("examples:")[1].replace("\\\n", "")
+    evals = [line for line in examples.splitlines() if line.strip().startswith("dapo-mcore eval")]
+    assert evals and all("--top-p 1.0" in line for line in evals), evals
 
 
 @pytest.mark.parametrize("command", ["train", "plan", "eval", "keys", "plot"])

@@ -116,3 +116,16 @@ def test_plot_command_skips_a_row_cut_short_and_names_a_missing_out_directory(tm
     assert main(["plot", str(tmp_path), "--keys", "actor/entropy"]) == 0
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "nowhere" / "x.png")]) == 2
     assert f"plot: --out {tmp_path}/nowhere/x.png: no directory {tmp_path}/nowhere" in capsys.readouterr().err
+
+
+def test_plot_command_writes_into_an_out_directory_and_leaves_out_a_line_that_is_no_row(tmp_path, capsys):
+    """`--out DIR` wrote DIR.png beside the directory; a metrics line that is JSON but not an object was a
+    traceback."""
+    metrics = write_metrics(tmp_path)
+    with metrics.open("a") as fh:
+        fh.write("42\n")
+    (tmp_path / "figures").mkdir()
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "figures")]) == 0
+    assert (tmp_path / "figures" / "curves.png").stat().st_size > 10_000 and not (tmp_path / "figures.png").exists()
+    assert main(["plot", str(tmp_path), "--keys", "actor/entropy", "--out", f"{tmp_path / 'more'}/"]) == 2
+    assert "no directory" in capsys.readouterr().err  # a directory that is not there is named, not created
