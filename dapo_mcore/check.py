@@ -6,8 +6,10 @@ What it covers, in the order `train` meets it: the config's own checks (each sec
 model's config.json and its architecture, the layout against the model and the job's tasks, the weights and
 tokenizer files, a writable checkpoint directory, Transformer Engine where the config needs it, the rollout
 engine's package and its support for this model on the job's device, routing replay, every row of the prompt
-and held-out files (read by the run's own loaders), the save a resume would take (and a config that changes
-the experiment since it), and, on a GPU job, the per-GPU memory plan (`dapo-mcore plan`).
+and held-out files (read by the run's own loaders), the prompts' lengths against the model's positions and
+the prompt budget (train's own prompt setup), a live run holding the run directory, the save a resume would
+take (a config that changes the experiment since it, a data file changed since it), and, on a GPU job, the
+per-GPU memory plan (`dapo-mcore plan`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dapo_mcore.build import Resume, check_config_changes, check_routing_replay, earlier_saves_problem
+from dapo_mcore.build import (
+    Resume,
+    build_prompt_setup,
+    check_config_changes,
+    check_routing_replay,
+    earlier_saves_problem,
+    load_tokenizer,
+)
 from dapo_mcore.checkpoint.hf_io import weights_problems
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import checkpoint_dir_of, config_problems, eval_file_list, run_dir_of
-from dapo_mcore.data.datasets import build_prompt_source, load_jsonl_prompts
+from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.launch import path_problems, tokenizer_problem
 from dapo_mcore.mcore.provider import (
     check_model_layout,
@@ -40,6 +49,7 @@ from dapo_mcore.rollout.registry import engine_problem, engine_version
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import quiet_save_reading
+from dapo_mcore.utils.run_lock import RunLock
 
 
 @dataclass
@@ -82,9 +92,13 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     if model_config is not None:
         report.problems += [p for p in [engine_problem(cfg.rollout.engine, device, model_config)] if p]
     report.facts += [f for f in [engine_version(cfg.rollout.engine)] if f]
+    known = len(report.problems)
     check_data(report, cfg, model_read=spec is not None)
+    prompts = None
+    if spec is not None and not files and len(report.problems) == known:  # rows readable: train's own prompt setup
+        prompts = report.attempt(lambda: build_prompt_setup(cfg, load_tokenizer(cfg.model.hf_path), spec))
     if spec is not None:
-        report.attempt(lambda: check_run_dir(report, cfg, spec))
+        report.attempt(lambda: check_run_dir(report, cfg, spec, prompts))
     if model_config is not None and device != "cpu":
         report.attempt(lambda: check_memory(report, cfg, model_config, gpu_gb, world))
     return report
@@ -173,9 +187,13 @@ def check_data(report: CheckReport, cfg: RunConfig, model_read: bool) -> None:
     report.facts.append(f"saves to {checkpoint_dir_of(cfg)}")
 
 
-def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec) -> None:
-    """What `train` will do with the run directory: start, resume at step N, or move an earlier run aside."""
+def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts: Any) -> None:
+    """What `train` will do with the run directory: start, resume at step N, or move an earlier run aside; what
+    it refuses there, through train's own code: a live run holding the directory, a resume whose data file
+    changed since the save (`prompts`: build_prompt_setup's, None where it failed)."""
     run_dir, resume = run_dir_of(cfg), cfg.checkpoint.resume
+    if (held := RunLock(run_dir, cfg.logging.lock_stale_after_s).live_holder_problem()) is not None:
+        report.problems.append(held)
     save = None
     if resume in ("auto", "force"):
         save = find_latest_complete(checkpoint_dir_of(cfg))
@@ -188,6 +206,9 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec) -> None:
         with quiet_save_reading():  # reading its common state imports Megatron-Core
             state = read_run_state(save, spec)
         check_config_changes(cfg, Resume(save, state))  # resume=auto refuses another experiment
+        if prompts is not None:  # the data position the save holds, checked against the file as train checks it
+            stream = PromptStream(prompts.source, cfg.data.seed, prompts.fingerprint, cfg.data.allow_changed_data)
+            stream.load_state_dict(state["sampler"]["prompts"])
         report.facts.append(f"resumes {save} at step {state['step']} of {cfg.trainer.steps}")
     elif (run_dir / "metrics.jsonl").exists():
         report.facts.append(

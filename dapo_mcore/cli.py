@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from dapo_mcore.utils.processes import Terminated, end_children
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     if as_command:
         install_stop_handlers()  # SIGUSR1 / SIGTERM: save at the next step boundary, exit 75; SIGINT: 130
     rank = os.environ.get("RANK", "0")
@@ -117,7 +117,7 @@ example:
 examples:
   dapo-mcore plan examples/dapo_qwen2.5_7b_h100.yaml --gpus 8 --model-config examples/models/Qwen2.5-7B
   dapo-mcore plan examples/dapo_qwen2.5_32b_h100.yaml rollout.engine_tp_size=4 --gpus 32 --gpu-gb 141 \\
-      --model-config examples/models/Qwen2.5-32B        overrides before the options; 141: an H200
+      --model-config examples/models/Qwen2.5-32B        141: an H200
 """,
     "eval": """\
 examples:
@@ -326,6 +326,17 @@ def _plot(args: argparse.Namespace) -> int:
         raise ConfigError(f"plot: {metrics} has no steps to plot yet")
     print(f"dapo-mcore plot: {out} ({len(panels)} panels: {'; '.join(panel.title for panel in panels)})")
     return 0
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with a subcommand's `key=value` overrides taken wherever they stand: after an option
+    (`check recipe.yaml --gpus 8 logging.run_dir=x`) argparse left them unrecognized and refused the line."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all(not t.startswith("-") and "=" in t for t in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _number(kind, ok, wanted: str):

@@ -49,13 +49,24 @@ class RunLock:
                 continue  # released or being replaced between our two looks
             reason = self._why_dead(holder)
             if reason is None:
-                raise RunLockError(
-                    f"run directory {self.run_dir} is in use by the run of pid {holder.get('pid')} on host "
-                    f"{holder.get('host')}, started {holder.get('started')}; choose another logging.run_dir, or "
-                    f"stop that run first (lock file {self.path})"
-                )
+                raise RunLockError(self._in_use(holder))
             self._take_over(holder, reason)
         raise RunLockError(f"could not take the lock {self.path}: other runs keep taking it")
+
+    def live_holder_problem(self) -> str | None:
+        """What acquire would refuse with, without taking the lock (`dapo-mcore check`): the live run holding the
+        run directory, or None when the lock is free or its holder is gone."""
+        holder = self._read_holder()
+        if holder is None or self._why_dead(holder) is not None:
+            return None
+        return self._in_use(holder)
+
+    def _in_use(self, holder: dict) -> str:
+        return (
+            f"run directory {self.run_dir} is in use by the run of pid {holder.get('pid')} on host "
+            f"{holder.get('host')}, started {holder.get('started')}; choose another logging.run_dir, or "
+            f"stop that run first (lock file {self.path})"
+        )
 
     def release(self) -> None:
         self._stop.set()

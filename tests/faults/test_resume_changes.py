@@ -70,6 +70,9 @@ def test_a_data_file_changed_since_the_save_is_refused_unless_allowed(saved, tmp
     assert last.endswith("would point at other prompts; restore the file, or set data.allow_changed_data=true "
                          "to continue with it")  # fmt: skip
     assert "Traceback" not in refused.stderr
+    checked = cli("check", "examples/smoke_cpu.yaml", *SHORT, f"data.source={data}", f"logging.run_dir={run_dir}",
+                  *resume, expect=2)  # fmt: skip
+    assert f"  - data file {data} changed since the save (bytes {size}" in checked.stderr  # "ready to launch" before
 
     allowed = train(run_dir, data, *resume, "data.allow_changed_data=true")
     assert "data.allow_changed_data=true: continuing at the save's position" in allowed.stderr

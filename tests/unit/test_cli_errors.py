@@ -1,6 +1,7 @@
 """Bad input ends with one clear line and exit code 2, not a traceback from deep inside."""
 
 import importlib.util
+import os
 import subprocess
 
 import pytest
@@ -191,3 +192,36 @@ def test_an_override_that_is_not_yaml_is_one_line(capsys):
         )
         and err.strip().endswith("quote it to pass text, e.g. data.ops='*'")
     )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.max_prompt_len=3", "tokens, longer than the 3 allowed (data.max_prompt_len); "),
+        ("rollout.sampling.max_response_len=900000", "max_response_len=900000 leaves no room for a prompt"),
+    ],
+)
+def test_check_refuses_the_prompt_lengths_train_refuses(tmp_path, override, message):
+    """`check` said "ready to launch" where train refused: prompts longer than the prompt budget, an answer budget
+    past the model's positions. It now runs train's own prompt setup. Options may follow the overrides too."""
+    run = ["examples/smoke_cpu.yaml", "data.source=examples/data/sums.jsonl", f"logging.run_dir={tmp_path}/run"]
+    proc = run_cli("check", *run[:2], "--gpus", "1", *run[2:], override)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+
+
+def test_check_names_a_live_run_holding_the_run_directory(tmp_path):
+    from dapo_mcore.utils.run_lock import RunLock
+
+    run_dir = tmp_path / "run"
+    lock = RunLock(run_dir)
+    lock.acquire()  # this process, alive: a live run
+    try:
+        proc = run_cli("check", "examples/smoke_cpu.yaml", f"logging.run_dir={run_dir}")
+        assert proc.returncode == 2 and f"  - run directory {run_dir} is in use by the run of pid {os.getpid()}" in (
+            proc.stderr
+        )
+        assert RunLock(run_dir).live_holder_problem() is not None and lock.path.exists()  # looked, not taken
+    finally:
+        lock.release()
+    assert RunLock(run_dir).live_holder_problem() is None
