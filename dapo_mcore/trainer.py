@@ -117,7 +117,9 @@ def restore(run: Run) -> int:
     with phase_scope("restore"):
         state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
         path = run.resume.path
-        run.sampler.load_state_dict(state["sampler"], int(state["step"]), read=lambda name: read_own_file(path, name))
+        run.sampler.load_state_dict(
+            state["sampler"], int(state["step"]), lambda name: read_own_file(path, name), run.spec.vocab_size
+        )
     return int(state["step"])
 
 

@@ -126,7 +126,9 @@ class PendingGroups:
             return {}
         return {file_name(self.split.replica, self.split.n_replicas): [group_to_dict(g) for g in self.own]}
 
-    def load_state_dict(self, state: dict[str, Any], read: Callable[[str], Any], step: int | None) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], read: Callable[[str], Any], step: int | None, vocab_size: int | None = None
+    ) -> None:
         """From a save: at the same number of replicas each takes its own file back as it was; at another, the
         saved groups (replica by replica) are dealt anew over this run's replicas, each rank reading only the
         files that hold groups dealt to it."""
@@ -138,7 +140,7 @@ class PendingGroups:
 
         def groups_of(replica: int) -> list[Group]:
             name = file_name(replica, len(saved))
-            groups = saved_groups(read(name), "unfinished", step, file=name)
+            groups = saved_groups(read(name), "unfinished", step, file=name, vocab_size=vocab_size)
             if [PendingInfo.of(g) for g in groups] != saved[replica]:
                 raise CheckpointError(f"the save's {name} does not hold the {len(saved[replica])} groups it lists")
             return groups

@@ -341,18 +341,25 @@ class RolloutSampler:
         return self.pending.own_files()
 
     def load_state_dict(
-        self, state: dict[str, Any], step: int | None = None, read: Callable[[str], Any] | None = None
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        read: Callable[[str], Any] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """The sampler of a save made after `step` updates (None: not checked against a step): its carried and
         unfinished groups checked as the run wrote them (saved_groups), a CheckpointError naming what is not.
-        `read`: a file of the save by name (own_files' names; the pending groups of partial rollout)."""
+        `read`: a file of the save by name (own_files' names; the pending groups of partial rollout);
+        `vocab_size`: the model's (a token id past it is refused, not sent to the engine)."""
         self.prompts.load_state_dict(state["prompts"])
-        self.carry = saved_groups(state["carry"], "carried", step)
+        self.carry = saved_groups(state["carry"], "carried", step, vocab_size=vocab_size)
         self.keep_rate.load_state_dict(state["keep_rate"])
         if "pending" in state:
-            self.pending.load_state_dict(state["pending"], read or _no_files, step)
+            self.pending.load_state_dict(state["pending"], read or _no_files, step, vocab_size)
         else:  # saves before the groups had owners held them all (and saves before partial rollout none)
-            self.pending.load_common(saved_groups(state.get("unfinished", []), "unfinished", step))
+            self.pending.load_common(
+                saved_groups(state.get("unfinished", []), "unfinished", step, vocab_size=vocab_size)
+            )
         n = self.settings.n_samples_per_prompt
         other = [g for g in self.carry + self.pending.own if len(g.samples) != n]
         if other and self.rank == 0:

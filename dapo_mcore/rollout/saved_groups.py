@@ -9,12 +9,15 @@ from dapo_mcore.data.types import Group, Sample, group_from_dict
 from dapo_mcore.utils.errors import CheckpointError
 
 
-def saved_groups(saved: list[dict], kind: str, step: int | None, file: str = "") -> list[Group]:
+def saved_groups(
+    saved: list[dict], kind: str, step: int | None, file: str = "", vocab_size: int | None = None
+) -> list[Group]:
     """Groups of a save (carried over, or unfinished answers of partial rollout) as the run wrote them: token ids
     non-negative integers, one finite non-positive log-prob each, weight versions no newer than the save's step
     and covering the answer. A hand-edited or damaged buffer is one CheckpointError naming the group and what is
     wrong (an id out of range reached the engine and was reported as its failure, a wrong type was a TypeError,
-    a version from the future a negative lag). `file`: the save's file that held them, named in the errors."""
+    a version from the future a negative lag). `file`: the save's file that held them, named in the errors;
+    `vocab_size`: the model's, which every token id must be below (None: not checked)."""
     if not isinstance(saved, list):
         raise CheckpointError(f"the save's {kind} groups{f' in {file}' if file else ''} are not the list the run wrote")
     groups = []
@@ -25,17 +28,21 @@ def saved_groups(saved: list[dict], kind: str, step: int | None, file: str = "")
         except (TypeError, ValueError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"{where} is not what the run wrote: {type(err).__name__}: {err}") from None
         for a, sample in enumerate(group.samples):
-            problem = _saved_sample_problem(sample, step)
+            problem = _saved_sample_problem(sample, step, vocab_size)
             if problem:
                 raise CheckpointError(f"{where} (prompt {group.prompt.uid}), answer {a}: {problem}")
         groups.append(group)
     return groups
 
 
-def _saved_sample_problem(sample: Sample, step: int | None) -> str | None:
+def _saved_sample_problem(sample: Sample, step: int | None, vocab_size: int | None) -> str | None:
     ids, logprobs = sample.response_ids, sample.rollout_logprobs
-    if len(ids) and int(ids.min()) < 0:
-        return f"token id {int(ids.min())} (ids are >= 0)"
+    for tokens in (sample.prompt_ids, ids):
+        tokens = torch.as_tensor(tokens)
+        if len(tokens) and int(tokens.min()) < 0:
+            return f"token id {int(tokens.min())} (ids are >= 0)"
+        if len(tokens) and vocab_size is not None and int(tokens.max()) >= vocab_size:
+            return f"token id {int(tokens.max())}, past the model's vocabulary of {vocab_size} ids"
     if len(logprobs) != len(ids):
         return f"{len(ids)} tokens and {len(logprobs)} log-probs"
     if len(logprobs) and not (torch.isfinite(logprobs).all() and float(logprobs.max()) <= 0.0):

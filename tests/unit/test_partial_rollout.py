@@ -146,6 +146,8 @@ def test_with_partial_rollout_a_carried_group_older_than_the_staleness_bound_is_
         (lambda s: s.update(response_ids="abc"), "is not what the run wrote: "),
         (lambda s: s.update(policy_step=99, version_runs=[]), "weight version 99, newer than the save's step 1"),
         (lambda s: s.update(rollout_logprobs=[0.5] * len(s["response_ids"])), "a log-prob that is not finite or"),
+        # it was sent to the engine, which failed on it: blamed on the engine
+        (lambda s: s.update(response_ids=[5000, *s["response_ids"][1:]]), "token id 5000, past the model's vocabulary"),
     ],
 )
 def test_a_hand_edited_partial_rollout_buffer_is_refused_naming_the_group(edit, message):
@@ -161,7 +163,7 @@ def test_a_hand_edited_partial_rollout_buffer_is_refused_naming_the_group(edit, 
     edit(next(s for s in group["samples"] if len(s["response_ids"])))
     fresh, _ = make(dynamic_sampling=False)
     with pytest.raises(CheckpointError, match=f"the save's unfinished group [0-9]+ in {name}") as err:
-        fresh.load_state_dict(state, step=1, read=files.__getitem__)
+        fresh.load_state_dict(state, step=1, read=files.__getitem__, vocab_size=1000)
     assert message in str(err.value), str(err.value)
     as_written = copy.deepcopy(sampler.own_files())
     fresh.load_state_dict(copy.deepcopy(sampler.state_dict()), step=1, read=as_written.__getitem__)  # taken
