@@ -89,10 +89,12 @@ def _saved_args(out: str | None) -> argparse.Namespace:
 def run_world(args: argparse.Namespace, overrides: list[str], world: int, run_dir: Path) -> None:
     """The rehearsal's launches on `world` processes: the run, then (with a save) its resume. Records and logs
     go to run_dir; its wall time (the run's) to run_dir/wall_s."""
+    if run_dir.exists():  # an earlier rehearsal's run: train would move it aside under the rehearsal's open log
+        aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        print(f"moved the earlier rehearsal's {run_dir} to {aside}", flush=True)
     records = run_dir / "records"
-    records.mkdir(parents=True, exist_ok=True)
-    for stale in records.glob("*.jsonl"):
-        stale.unlink()
+    records.mkdir(parents=True)
     seconds = launch(args.recipe, overrides, records / "train", world, run_dir / "train.log")
     if not args.no_save:
         resume = [*overrides, "checkpoint.resume=auto"]

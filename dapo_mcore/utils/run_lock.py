@@ -25,6 +25,8 @@ from dapo_mcore.utils.logging import get_logger
 log = get_logger(__name__)
 
 HEARTBEAT_S = 30.0
+# A lock file without its record this long after it was made was never written (its writer failed): not a holder.
+UNWRITTEN_GRACE_S = 5.0
 
 
 def lock_path(run_dir: Path) -> Path:
@@ -84,8 +86,12 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(record, fh)
+        except OSError as err:  # a full disk: an empty lock left behind read later as "in use by pid None"
+            self.path.unlink(missing_ok=True)
+            raise RunLockError(f"could not write the run lock {self.path}: {err}") from None
         return True
 
     def _read_holder(self) -> dict | None:
@@ -103,6 +109,8 @@ class RunLock:
 
     def _why_dead(self, holder: dict) -> str | None:
         """Why the holder is no longer running, or None while it may be."""
+        if "pid" not in holder and holder["age_s"] > UNWRITTEN_GRACE_S:
+            return "its lock file is empty or damaged (a writer that failed, or a full disk)"
         mine = _slurm_attempt()
         same_job = bool(mine) and holder.get("slurm_job_id") == mine["slurm_job_id"]
         if same_job and holder.get("slurm_restart_count", -1) < mine["slurm_restart_count"]:

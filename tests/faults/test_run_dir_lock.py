@@ -150,3 +150,24 @@ def test_of_two_runs_started_together_one_trains_and_the_other_refuses(tmp_path)
             if r.poll() is None:
                 r.send_signal(signal.SIGKILL)
                 r.wait()
+
+
+def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_empty_lock(tmp_path, monkeypatch):
+    """A full disk under the run directory was an ENOSPC traceback and a 0-byte lock, which the next run read as
+    "in use by pid None" until its heartbeat grew stale."""
+    run_dir = tmp_path / "run"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", full_disk)
+    with pytest.raises(RunLockError, match=r"could not write the run lock .*No space left on device"):
+        RunLock(run_dir).acquire()
+    assert not lock_path(run_dir).exists()
+    monkeypatch.undo()
+    lock_path(run_dir).write_text("")  # as the old code left it
+    old = time.time() - 60
+    os.utime(lock_path(run_dir), (old, old))
+    lock = RunLock(run_dir)
+    lock.acquire()  # an empty lock a minute old is no holder: taken over
+    lock.release()

@@ -275,3 +275,29 @@ def test_a_recipe_is_rehearsed_at_the_largest_engine_tp_its_processes_allow_with
     validate(cfg)  # refused before: only the vllm adapter stopped an engine's TP ranks together
     with pytest.raises(ConfigError, match="only the vllm adapter .* stops an engine's TP ranks at one step"):
         validate(load_config(recipe, [*asked, *overrides, "rollout.engine=hf", "algorithm.reward.verifier=dapo"]))
+
+
+def test_a_second_rehearsal_into_the_same_output_moves_the_first_runs_aside(tmp_path, monkeypatch, capsys):
+    """The first run's N2/ was moved aside by train (an earlier run in its run directory) under the rehearsal's
+    own open log, and the second rehearsal failed with FileNotFoundError on N2/train.log."""
+    import argparse
+
+    from dapo_mcore.rehearse import command
+
+    def launch_as_train(recipe, overrides, records, world, log):
+        with open(log, "w") as out:  # as launch: the log is open before train starts
+            run_dir = log.parent
+            if (run_dir / "metrics.jsonl").exists():  # train moves an earlier run aside (resume=none)
+                run_dir.rename(run_dir.with_name(run_dir.name + ".prev-train"))
+                run_dir.mkdir()
+            out.write("trained\n")
+            (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        return 1.0
+
+    monkeypatch.setattr(command, "launch", launch_as_train)
+    args = argparse.Namespace(recipe="r.yaml", no_save=True)
+    for _ in range(2):
+        command.run_world(args, [], 2, tmp_path / "N2")
+    assert (tmp_path / "N2" / "train.log").read_text() == "trained\n"
+    (aside,) = tmp_path.glob("N2.prev-*")
+    assert (aside / "train.log").is_file() and "moved the earlier rehearsal's" in capsys.readouterr().out
