@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             # where wandb's own exit handler still needs its service process
             end_children()
         if rank == "0":
-            print(f"dapo-mcore: stopped by {name}; every complete save is kept (continue with checkpoint.resume=auto)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"dapo-mcore: stopped by {name}; the saves already complete are kept (a run continues from the "
+                  "newest with checkpoint.resume=auto)", file=sys.stderr)  # fmt: skip
         return code
     except Exception:
         if (gone := _gone_peer()) is not None:  # a collective failed because another rank died: that is the news

@@ -16,10 +16,12 @@ either, and the re-queued job resumes from the save. After SIGTERM the step has
 `checkpoint.sigterm_grace_s` seconds to reach its boundary; after that (or at a second SIGTERM) the run
 unwinds at once as before (`Terminated`, exit 143), keeping every complete save.
 
-SIGINT (Ctrl-C) raises KeyboardInterrupt at once (exit 130, no save), and is also remembered: Python drops an
-exception raised where it cannot propagate ("Exception ignored in ..."), e.g. in logging's at-fork hook when
-the signal lands while the checkpoint writer forks. A run whose KeyboardInterrupt was dropped so would
-train on; every rank stops at the next step boundary instead (`agreed_stop` returns "SIGINT"). The same holds
+SIGINT (Ctrl-C) is a stop request too: the run saves at the next step boundary and exits 75, with no grace
+timer (no one kills the run after it). A second SIGINT raises KeyboardInterrupt at once (exit 130, the step in
+progress lost), and is also remembered: Python drops an exception raised where it cannot propagate ("Exception
+ignored in ..."), e.g. in logging's at-fork hook when the signal lands while the checkpoint writer forks. A run
+whose KeyboardInterrupt was dropped so would train on; every rank stops at the next step boundary instead
+(`agreed_stop` returns "SIGINT at once"). The same holds
 for `Terminated` (seen: dropped in a regex object's __del__ run by the garbage collector, after which the run
 ignored every further SIGTERM and trained on): `agreed_stop` returns "SIGTERM at once" (or "SIGUSR1 at once").
 
@@ -99,8 +101,9 @@ _state = _StopState()
 
 
 def install_stop_handlers() -> None:
-    """In the process that is the run (the CLI): SIGUSR1 / SIGTERM request a stop at the next step boundary;
-    SIGINT stops at once, or at the next boundary where its KeyboardInterrupt was dropped."""
+    """In the process that is the run (the CLI): SIGUSR1 / SIGTERM / SIGINT (Ctrl-C) request a stop at the next
+    step boundary, after a save; a second SIGINT stops at once, or at the next boundary where its
+    KeyboardInterrupt was dropped."""
     _state.reason, _state.interrupted, _state.terminated, _state.run_pid = None, False, None, os.getpid()
     sys.unraisablehook = _quiet_about_dropped_interrupts
     signal.signal(signal.SIGINT, _on_sigint)
@@ -116,7 +119,7 @@ def configure_stop(save_on_signal: bool, sigterm_grace_s: float) -> None:
 def requested_stop() -> str | None:
     """Why this rank was asked to stop, if it was: a signal, or the stop file named by DAPO_STOP_FILE."""
     if _state.interrupted:
-        return "SIGINT"
+        return "SIGINT" + AT_ONCE
     if _state.terminated:
         return _state.terminated + AT_ONCE
     if _state.reason is None:
@@ -142,7 +145,7 @@ def agreed_stop() -> str | None:
     if clock is not None and requested_stop() == SLURM_WARNING and not _state.warning_deferred:
         _state.warning_deferred = True
         log.info("%s: the run goes on until a step and a save no longer fit before the job's end", SLURM_WARNING)
-    for most_urgent in ("SIGINT", "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGTERM"):
+    for most_urgent in ("SIGINT" + AT_ONCE, "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGINT", "SIGTERM"):
         if most_urgent in reasons:
             return most_urgent
     return reasons[0] if reasons else None
@@ -203,8 +206,15 @@ def _on_sigint(signum, frame) -> None:
         # worker that died of it would leave the run waiting for its result when the run itself had dropped
         # its KeyboardInterrupt (it stops at the step boundary once the save is complete, or ends its helpers).
         return
-    _state.interrupted = True
-    raise KeyboardInterrupt
+    if _state.reason == "SIGINT" or not _state.save_on_signal:  # a second Ctrl-C (or saves on signals off): now
+        _state.interrupted = True
+        raise KeyboardInterrupt
+    # The first: like SIGTERM, a save at the next step boundary (Ctrl-C lost everything since the last save: hours
+    # of GPU time at the recipes' save interval), but with no grace timer: no one kills the job after it.
+    _state.reason = "SIGINT"
+    if os.environ.get("RANK", "0") == "0":  # os.write: a print here could re-enter one the signal interrupted
+        os.write(2, b"dapo-mcore: Ctrl-C: stopping after this step, once it is saved; Ctrl-C again stops at once "
+                    b"(the step is lost)\n")  # fmt: skip
 
 
 def _quiet_about_dropped_interrupts(unraisable) -> None:

@@ -68,6 +68,7 @@ def train(cfg: RunConfig) -> TrainOutcome:
     the weights before training. (rl_step's index and the sampler count the updates done before the one made.)"""
     configure_stop(cfg.checkpoint.save_on_signal, cfg.checkpoint.sigterm_grace_s)
     run = build_run(cfg)
+    saved_step, step = None, 0  # the newest complete save's step (None: none), the step under way
     try:
         watch_job_end(run)
         first_step = restore(run)
@@ -96,11 +97,31 @@ def train(cfg: RunConfig) -> TrainOutcome:
         # exit: the batch script re-queues on rank 0's mark then, see launch.mark_saved_stop)
         finish(run, together=True)
         raise
+    except (KeyboardInterrupt, Terminated) as stop:  # stopped at once: say what is lost and where a rerun starts
+        if run.ctx.rank == 0:
+            log.warning(lost_at_once_line(stop, step, saved_step))
+        finish(run)
+        raise
     except BaseException:
         finish(run)
         raise
     finish(run, together=True)
     return TrainOutcome(run.run_dir, first_step, max(first_step, cfg.trainer.steps))
+
+
+def lost_at_once_line(stop: BaseException, step: int, saved_step: int | None) -> str:
+    """One line for a run stopped at once (a second Ctrl-C, SIGTERM's grace over): what is lost and the step a
+    rerun with checkpoint.resume=auto starts from. `step`: the step under way (its save included), 0 before."""
+    name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else getattr(stop, "signal_name", type(stop).__name__)
+    when = f"during step {step}" if step else "before the first step"
+    if saved_step is None:
+        return f"stopped at once by {name} {when}: no save was complete yet, so a rerun starts from step 0"
+    if step <= saved_step:
+        return f"stopped at once by {name} {when}: nothing is lost; checkpoint.resume=auto continues at {saved_step}"
+    return (
+        f"stopped at once by {name} {when}: the steps after {saved_step} are lost; checkpoint.resume=auto continues "
+        f"from the save of step {saved_step}"
+    )
 
 
 def report_held_out_before_training(run: Run) -> None:
@@ -151,16 +172,14 @@ def recent_step_times(run_dir: Path) -> list[float]:
 
 
 def stop_if_signalled(run: Run, next_step: int, saved_step: int | None, attempt_start: int = -1) -> None:
-    """At a step boundary, `next_step` updates done: when any rank got SIGUSR1 / SIGTERM, save what was trained
+    """At a step boundary, `next_step` updates done: when any rank got SIGUSR1 / SIGTERM / SIGINT, save what was trained
     since the newest save and raise StoppedToResume on every rank (the CLI exits 75; slurm/train.sbatch
     re-queues on it)."""
     reason = agreed_stop()
     if reason is None:
         return
-    if reason == "SIGINT":  # its KeyboardInterrupt was dropped on some rank (dapo_mcore.launch): stop at once
-        raise KeyboardInterrupt
-    if signal_name := stops_at_once(reason):  # as SIGINT: a Terminated dropped on some rank
-        raise Terminated(signal_name)
+    if signal_name := stops_at_once(reason):  # its KeyboardInterrupt / Terminated was dropped on some rank
+        raise KeyboardInterrupt if signal_name == "SIGINT" else Terminated(signal_name)
     if next_step == attempt_start and reason.startswith(TIME_LIMIT_REASON):
         raise DapoError(no_step_fits(reason))  # exit 2: the batch script does not re-queue it
     cancel_grace()

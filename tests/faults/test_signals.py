@@ -1,9 +1,9 @@
-"""Signals end a run with one line, no traceback, the lock released and no process of the run left: SIGINT at
-once (exit 130); SIGTERM / SIGUSR1 after saving at the next step boundary (exit 75), or at once (143) when the
-step does not end within checkpoint.sigterm_grace_s, at a second SIGTERM, or with checkpoint.save_on_signal=
-false. After a SIGKILL of the run no process of it survives either (workers get the parent-death signal), and
-the run continues from its newest save. wandb is offline, the default: its service process is one of the run's,
-and a clean stop keeps the wandb run as far as it got."""
+"""Signals end a run with one line, no traceback, the lock released and no process of the run left: SIGINT / SIGTERM /
+SIGUSR1 after saving at the next step boundary (exit 75), or at once (SIGINT 130, others 143) when the step does not
+end within checkpoint.sigterm_grace_s (SIGTERM), at a second signal (tests/unit/test_launch.py), or with
+checkpoint.save_on_signal=false, saying which step was lost. After a SIGKILL of the run no process of it survives
+either (workers get the parent-death signal), and the run continues from its newest save. wandb is offline, the
+default: its service process is one of the run's, and a clean stop keeps the wandb run as far as it got."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def stopped(proc: WarmProcess, sig: int, code: int, children: list[psutil.Proces
     left, the lock released, wandb's rows closed; returns the last line."""
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
+    proc.stderr_text = err
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     assert_wandb_kept_the_rows(run_dir)
@@ -65,7 +66,7 @@ def stopped(proc: WarmProcess, sig: int, code: int, children: list[psutil.Proces
 @pytest.mark.parametrize(
     ("sig", "extra", "code", "name"),
     [
-        (signal.SIGINT, [], 130, "SIGINT"),
+        (signal.SIGINT, ["checkpoint.save_on_signal=false"], 130, "SIGINT"),
         (signal.SIGTERM, ["checkpoint.sigterm_grace_s=0"], 143, "SIGTERM"),  # no time for the step to end
         (signal.SIGTERM, ["checkpoint.save_on_signal=false"], 143, "SIGTERM"),
         (signal.SIGUSR1, ["checkpoint.save_on_signal=false"], 143, "SIGUSR1"),
@@ -78,11 +79,21 @@ def test_a_signal_that_stops_at_once_ends_with_one_line_its_exit_code_and_no_chi
     children = wait_for_training(proc, tmp_path / "run", rows=1)  # stopping at once: one step is enough
     assert children, "the run should have worker processes (verifier workers at least)"
     line = stopped(proc, sig, code, children, tmp_path / "run")
-    assert line.startswith(f"dapo-mcore: stopped by {name}; every complete save is kept")
+    assert line.startswith(f"dapo-mcore: stopped by {name}; the saves already complete are kept")
+    lost = re.search(rf"stopped at once by {name} during step (\d+): (.*)", proc.stderr_text)
+    assert lost, proc.stderr_text[-2000:]
+    saved = find_latest_complete(tmp_path / "run" / "checkpoints")
+    if saved is None:  # stopped in step 1 or its save: nothing to continue from
+        assert lost.group(2) == "no save was complete yet, so a rerun starts from step 0"
+    else:
+        assert f"checkpoint.resume=auto continues from the save of step {int(saved.name[5:])}" in lost.group(2)
 
 
-@pytest.mark.parametrize(("sig", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1")])
-def test_sigterm_and_sigusr1_save_at_the_step_boundary_and_exit_75(tmp_path, sig, name):
+@pytest.mark.parametrize(
+    ("sig", "name"), [(signal.SIGTERM, "SIGTERM"), (signal.SIGUSR1, "SIGUSR1"), (signal.SIGINT, "SIGINT")]
+)
+def test_sigterm_sigusr1_and_ctrl_c_save_at_the_step_boundary_and_exit_75(tmp_path, sig, name):
+    """Ctrl-C stopped at once and lost every step since the last save."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, "checkpoint.save_interval=1000")  # no periodic save: the stop's save is the only one
     children = wait_for_training(proc, run_dir)

@@ -1,6 +1,6 @@
 """The stop handlers of dapo_mcore.launch, in this process: a signal only records a stop request, the grace
-after SIGTERM ends in Terminated, a second SIGTERM ends the run at once, and a SIGINT whose KeyboardInterrupt
-Python dropped still stops the run at the next step boundary."""
+after SIGTERM ends in Terminated, a second SIGTERM or SIGINT ends the run at once, and a SIGINT whose
+KeyboardInterrupt Python dropped still stops the run at the next step boundary."""
 
 from __future__ import annotations
 
@@ -91,11 +91,17 @@ class _InterruptedFinalizer:
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # pytest's hook saw it: a failure
-def test_a_sigint_whose_keyboard_interrupt_was_dropped_is_still_a_stop_request(handlers, capsys):
+def test_a_sigint_whose_keyboard_interrupt_was_dropped_is_still_a_stop_request(handlers, capfd):
     assert launch.requested_stop() is None
-    _InterruptedFinalizer()  # collected at once: no exception reaches this frame
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a save at the boundary
+    time.sleep(0.05)
     assert launch.requested_stop() == "SIGINT"
-    assert capsys.readouterr().err == ""  # no "Exception ignored ... Traceback" for it
+    _InterruptedFinalizer()  # the second, in a finalizer collected at once: no exception reaches this frame
+    assert launch.requested_stop() == "SIGINT at once"
+    said = (
+        "dapo-mcore: Ctrl-C: stopping after this step, once it is saved; Ctrl-C again stops at once (the step is lost)"
+    )
+    assert capfd.readouterr().err == said + "\n"  # and no "Exception ignored ... Traceback" for the second
 
 
 def test_a_terminated_dropped_where_it_cannot_propagate_still_stops_at_the_boundary(handlers, capsys):
@@ -119,7 +125,19 @@ def test_the_trainer_ends_a_run_whose_terminated_was_dropped_at_the_step_boundar
         trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: it was to stop at once
 
 
-def test_sigint_raises_keyboard_interrupt_at_once(handlers):
+def test_the_first_sigint_asks_for_a_save_and_the_second_raises_keyboard_interrupt_at_once(handlers):
+    """Ctrl-C lost every step since the last save (2-4 hours of GPU time at the 7B recipe's save interval); SIGTERM
+    saved. Now the first is a stop request like SIGTERM, without its grace timer."""
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    assert launch.requested_stop() == "SIGINT" and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+
+
+def test_with_saves_on_signals_off_the_first_sigint_stops_at_once(handlers):
+    launch.configure_stop(save_on_signal=False, sigterm_grace_s=20.0)
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1.0)
@@ -131,7 +149,8 @@ def test_sigint_raises_keyboard_interrupt_at_once(handlers):
         ([None, None], None),
         ([None, "SIGUSR1"], "SIGUSR1"),
         (["SIGUSR1", "SIGTERM"], "SIGTERM"),
-        (["SIGTERM", "SIGINT", None], "SIGINT"),  # a dropped Ctrl-C on one rank stops every rank at once
+        (["SIGTERM", "SIGINT at once", None], "SIGINT at once"),  # a dropped 2nd Ctrl-C: every rank at once
+        (["SIGTERM", "SIGINT"], "SIGINT"),  # a first Ctrl-C: a save, as SIGTERM
         (["SIGTERM", "SIGUSR1 at once"], "SIGUSR1 at once"),  # so does a dropped Terminated
     ],
 )
@@ -146,9 +165,9 @@ def test_every_rank_agrees_on_the_most_urgent_stop(monkeypatch, per_rank, agreed
 def test_the_trainer_ends_a_run_whose_sigint_was_dropped_at_the_step_boundary(monkeypatch):
     from dapo_mcore import trainer
 
-    monkeypatch.setattr(trainer, "agreed_stop", lambda: "SIGINT")
+    monkeypatch.setattr(trainer, "agreed_stop", lambda: "SIGINT at once")
     with pytest.raises(KeyboardInterrupt):
-        trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: SIGINT means now
+        trainer.stop_if_signalled(run=None, next_step=3, saved_step=2)  # no save: a second SIGINT means now
 
 
 def test_a_forked_helper_leaves_sigint_to_the_run(handlers, tmp_path):
@@ -212,7 +231,7 @@ def _failing_parser(err):
     def fail(_args):
         raise err
 
-    return SimpleNamespace(parse_args=lambda argv: SimpleNamespace(func=fail))
+    return SimpleNamespace(parse_known_args=lambda argv: (SimpleNamespace(func=fail), []))
 
 
 def test_a_mark_that_cannot_be_written_leaves_the_stop_as_it_was(monkeypatch, tmp_path):
