@@ -127,10 +127,13 @@ class _Worker:
             self.kill()
             raise DapoError(f"verifier worker for {spec!r} did not start within {startup_timeout_s:.0f} s")
 
+    stopped = False  # killed after a timeout; started anew at its next check
+
     def kill(self) -> None:
         self.process.kill()
         self.process.join()
         self.conn.close()
+        self.stopped = True
 
 
 class VerifierPool:
@@ -154,6 +157,7 @@ class VerifierPool:
         self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
+        self._timeouts = 0  # checks timed out in the current batch
 
     def workers_for(self, answers: int) -> int:
         if self.n_workers != AUTO:
@@ -175,19 +179,22 @@ class VerifierPool:
         budget = self.budget_s(len(pairs))
         start = time.monotonic()
         budget_end = start + budget
+        self._timeouts = 0
         while pending or busy:
+            # the budget is spent (worker restarts included: they start only at a dispatch, and none after it)
+            if time.monotonic() >= budget_end and pending:
+                self._say_unchecked(len(pending), len(pairs), budget)
+                for task in pending:
+                    results[task] = Verdict(correct=False, timed_out=True, unchecked=True)
+                pending.clear()
             for w in range(len(self._workers)):
                 if w not in busy and pending:
                     task = pending.popleft()
                     self._send(w, (task, *pairs[task]))
                     busy[w] = (task, min(time.monotonic() + self.timeout_s, budget_end))
-            self._collect(busy, results)
-            self._expire(busy, results)
-            if time.monotonic() >= budget_end and pending:  # the budget is spent: what is left is not checked
-                self._say_unchecked(len(pending), len(pairs), budget)
-                for task in pending:
-                    results[task] = Verdict(correct=False, timed_out=True, unchecked=True)
-                pending.clear()
+            if busy:
+                self._collect(busy, results)
+                self._expire(busy, results, len(pairs))
         self._say_cost(time.monotonic() - start, len(pairs))
         return results
 
@@ -226,18 +233,32 @@ class VerifierPool:
             results[task] = Verdict(correct=correct, error=error, invalid=invalid)
             del busy[w]
 
-    def _expire(self, busy, results) -> None:
+    def _expire(self, busy, results, answers: int) -> None:
+        """Checks past their deadline count as timed out (wrong); their workers are stopped, to be started anew
+        at their next check (`_send`, within the batch's budget). The first timeout of a batch is said when it
+        happens: a verifier that hangs on every answer said nothing for minutes."""
         now = time.monotonic()
         for w, (task, deadline) in list(busy.items()):
             if now >= deadline:
                 results[task] = Verdict(correct=False, timed_out=True)
-                self._replace(w)
+                self._workers[w].kill()
                 del busy[w]
+                self._timeouts += 1
+                if self._timeouts == 1:
+                    log.warning(
+                        "verifier %s: a check ran past algorithm.reward.timeout_s (%g s) and was stopped; it counts "
+                        "as wrong, and its worker is started anew (this batch: %d answers, a budget of %.0f s)",
+                        self.spec, self.timeout_s, answers, self.budget_s(answers),
+                    )  # fmt: skip
 
     def _send(self, w: int, task: tuple) -> None:
         """Give worker w a task; a worker found dead (killed while idle) is replaced and the task goes to the
         new one."""
         worker = self._workers[w]
+        if worker.stopped:  # after a timeout: its restart is counted in the batch's time
+            self._workers[w] = self._start()
+            self._workers[w].conn.send(task)
+            return
         if worker.process.is_alive():
             try:
                 worker.conn.send(task)
@@ -265,6 +286,8 @@ class VerifierPool:
 
     def close(self) -> None:
         for worker in self._workers:
+            if worker.stopped:
+                continue
             with contextlib.suppress(OSError):  # the worker may already be gone
                 worker.conn.send(None)
             worker.process.join(timeout=1)

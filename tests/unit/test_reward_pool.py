@@ -100,3 +100,19 @@ def test_host_workers_share_the_nodes_cpus_among_its_gpu_processes(monkeypatch):
     assert pool_module.host_workers() == 15
     monkeypatch.setattr(pool_module.os, "sched_getaffinity", lambda _: set(range(12)))  # bound: its own CPUs
     assert pool_module.host_workers() == 11
+
+
+def test_a_verifier_that_never_returns_is_said_at_its_first_timeout_and_stops_restarting_with_the_budget(
+    pool_factory, caplog
+):
+    """At the default timeouts a verifier that hung on every answer ran over 6 minutes without a line: its first
+    timeout was said only once the whole batch had ended, and timed-out workers were restarted past the budget."""
+    pool = pool_factory("tests.verifiers:hang_on_hmm", workers=1, timeout_s=0.3, batch_timeout_s=1.0)
+    start = time.time()
+    verdicts = pool.verify([("hmm", "1")] * 20)
+    end = time.time()
+    said = [r for r in caplog.records if "ran past algorithm.reward.timeout_s (0.3 s)" in r.getMessage()]
+    assert len(said) == 1 and said[0].created - start < 1.0 < end - start  # said at once, not at the end
+    assert all(v.timed_out and not v.correct for v in verdicts)
+    assert sum(not v.unchecked for v in verdicts) <= 4  # 1 s at 0.3 s a check: none begins once it is spent
+    assert end - start < 1.0 + pool.startup_timeout_s
