@@ -609,12 +609,27 @@ def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, s
     newest = choice in ("auto", "force")
     path = checkpoints.latest_complete() if newest else checkpoints.verified(Path(choice))
     if path is None:
+        if problem := no_intact_save_problem(choice, checkpoints.root):
+            raise CheckpointError(problem)
         log.info("checkpoint.resume=%s: no complete save in %s, starting from step 0", choice, checkpoints.root)
         return None
     resume = Resume(path, read_run_state(path, spec))
     log.info("resuming from %s at step %d", path, resume.step)
     check_config_changes(cfg, resume)
     return resume
+
+
+def no_intact_save_problem(choice: str, checkpoint_dir: Path) -> str | None:
+    """checkpoint.resume=auto / force found saves, none of them complete and intact: refused (it moved the run
+    aside and retrained from step 0, exit 0, with only the skips logged)."""
+    damaged = sorted(p.name for p in checkpoint_dir.glob("step_*") if p.is_dir())
+    if not damaged:
+        return None
+    return (
+        f"checkpoint.resume={choice}: none of the {len(damaged)} saves in {checkpoint_dir} is complete and intact "
+        f"({', '.join(damaged)}: why, above); nothing to continue from: restore a save, or set "
+        "checkpoint.resume=none to start over (the run directory is then moved aside, its saves kept)"
+    )
 
 
 def earlier_saves_problem(checkpoint_dir: Path, run_dir: Path) -> str | None:

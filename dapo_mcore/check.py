@@ -27,6 +27,7 @@ from dapo_mcore.build import (
     check_routing_replay,
     earlier_saves_problem,
     load_tokenizer,
+    no_intact_save_problem,
 )
 from dapo_mcore.checkpoint.hf_io import weights_problems
 from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
@@ -201,6 +202,13 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts:
         save = Path(resume)
     if resume == "none" and (problem := earlier_saves_problem(checkpoint_dir_of(cfg), run_dir)):
         report.problems.append(problem)
+        return
+    if (
+        save is None
+        and resume in ("auto", "force")
+        and (damaged := no_intact_save_problem(resume, checkpoint_dir_of(cfg)))
+    ):
+        report.problems.append(damaged)
         return
     if save is not None:
         with quiet_save_reading():  # reading its common state imports Megatron-Core

@@ -62,3 +62,23 @@ def test_eval_refuses_a_damaged_save_unless_told_not_to_verify(reference, tmp_pa
     cli(*args, "--no-verify")  # the user's choice: read as it is
     healthy = cli("eval", str(run_dir / "checkpoints" / "step_000004"), *args[2:])
     assert "files match their CRC-32 checksums" in healthy.stdout
+
+
+def test_resume_auto_with_every_save_damaged_is_refused_not_started_over(reference, tmp_path):  # noqa: F811
+    """It moved the run aside and retrained from step 0 with exit 0, the skips logged as warnings only."""
+    run_dir = shutil.copytree(reference, tmp_path / "run")
+    saves = sorted((run_dir / "checkpoints").glob("step_*"))
+    flip_bytes(saves[-1] / "common.pt")  # the newest damaged (its checksum), the others cut short (no manifest)
+    for save in saves[:-1]:
+        (save / "MANIFEST.json").unlink()
+    refused = cli(*train_args(run_dir, "checkpoint.resume=auto"), expect=2)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dapo-mcore: error: checkpoint.resume=auto: none of the {len(saves)} saves in ")
+    assert "set checkpoint.resume=none to start over" in last and "Traceback" not in refused.stderr
+    assert run_dir.is_dir() and not list(tmp_path.glob("run.prev-*"))  # nothing moved aside
+    checked = cli("check", *train_args(run_dir, "checkpoint.resume=auto")[1:], expect=2)
+    # check reads sizes only (a login node does not checksum terabytes): it finds the newest unreadable instead
+    assert "the run would not start" in checked.stderr and "step_000006" in checked.stderr
+    (saves[-1] / "MANIFEST.json").unlink()  # every save cut short: check names them as train does
+    checked = cli("check", *train_args(run_dir, "checkpoint.resume=auto")[1:], expect=2)
+    assert f"  - checkpoint.resume=auto: none of the {len(saves)} saves in " in checked.stderr
