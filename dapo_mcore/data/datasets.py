@@ -22,6 +22,10 @@ from dapo_mcore.utils.logging import get_logger
 log = get_logger(__name__)
 
 
+# The longest reference answer a prompt file may hold: final answers are numbers and expressions.
+MAX_ANSWER_CHARS = 10_000
+
+
 def load_jsonl_prompts(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Prompt]:
     """Every row must be a JSON object with a non-empty string prompt and an answer; errors name the line."""
     path = Path(path)
@@ -59,6 +63,11 @@ def _parse_row(line: str, line_no: int, path: Path, prompt_key: str, answer_key:
         raise DataError(f"{where}: '{prompt_key}' must be a non-empty string")
     if not isinstance(answer, (str, int, float)):
         raise DataError(f"{where}: '{answer_key}' must be a string or a number, got {type(answer).__name__}")
+    if len(str(answer)) > MAX_ANSWER_CHARS:  # every check against it timed out, and the warning named the answer
+        raise DataError(
+            f"{where}: the reference '{answer_key}' is {len(str(answer)):,} characters, over {MAX_ANSWER_CHARS:,}: "
+            "a verifier compares final answers (a number, an expression), not documents; is it the right key?"
+        )
     return Prompt(text=prompt, answer=str(answer), uid=f"{path.name}:{line_no}")
 
 

@@ -61,6 +61,9 @@ def test_jsonl_prompts_load_and_bad_rows_name_the_line(tmp_path):
         '{"prompt": "a", "answer": 1': r"bad.jsonl:1: not valid JSON",
         '["a", 1]': r"bad.jsonl:1: expected a JSON object",
         '{"prompt": "", "answer": 1}': "must be a non-empty string",
+        # every check against it timed out, and the warning named the model's answer
+        json.dumps({"prompt": "a", "answer": "7" * 2_000_000}): r"bad.jsonl:1: the reference 'answer' is 2,000,000 "
+        "characters, over 10,000",
     }
     for row, message in cases.items():
         bad = tmp_path / "bad.jsonl"
