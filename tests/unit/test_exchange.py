@@ -46,6 +46,27 @@ class ThreadWorld:
         self.sent_objects.append(obj)
         return self._gather(rank, obj)
 
+    def each_rank(self, work):
+        """work(rank) in a thread per rank, at once; their results in rank order (the first error raised, after
+        the others are released from the barrier)."""
+        results, errors = [None] * self.size, []
+
+        def main(rank):
+            try:
+                results[rank] = work(rank)
+            except BaseException as err:  # noqa: BLE001 - raised below
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=main, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
     def all_to_all(self, rank, send, send_sizes, recv_sizes):
         assert send.dtype == torch.int32 and send.numel() == sum(send_sizes)
         pieces = self._gather(rank, send.split(send_sizes))
@@ -93,23 +114,7 @@ def run_steps(world_size, engine_tp_size=1, steps=2, response_len=5, dp=None, **
         make_sampler(r, world_size, world, engine_tp_size, response_len, dp, board, **overrides)
         for r in range(world_size)
     ]
-    batches, errors = [[] for _ in samplers], []
-
-    def rank_main(rank):
-        try:
-            for step in range(steps):
-                batches[rank].append(samplers[rank].next_batch(step, PhaseTimer()))
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-            world.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    batches = world.each_rank(lambda rank: [samplers[rank].next_batch(step, PhaseTimer()) for step in range(steps)])
     return batches, world, samplers
 
 

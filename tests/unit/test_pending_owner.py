@@ -7,7 +7,6 @@ tests/unit/test_partial_rollout.py, whose rounds stop with answers unfinished.""
 
 import copy
 import pickle
-import threading
 
 import pytest
 
@@ -60,23 +59,7 @@ class World:
 
     def each_rank(self, work):
         """work(rank, sampler) on every thread-rank at once; their results in rank order."""
-        results, errors = [None] * len(self.samplers), []
-
-        def main(rank):
-            try:
-                results[rank] = work(rank, self.samplers[rank])
-            except BaseException as err:  # noqa: BLE001 - raised below
-                errors.append(err)
-                self.threads.barrier.abort()
-
-        threads = [threading.Thread(target=main, args=(r,)) for r in range(len(self.samplers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
+        return self.threads.each_rank(lambda rank: work(rank, self.samplers[rank]))
 
     def steps(self, first, n):
         """Every rank's batches of steps first .. first + n - 1."""
