@@ -4,7 +4,6 @@ bucket), made to die with the run: a run killed outright (SIGKILL) left them blo
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 from typing import Any
 
@@ -36,7 +35,6 @@ def forked_writers_die_with_us() -> None:
     a save left them blocked for good flushing their results to that queue, with multiprocessing's resource
     tracker beside them: each forked writer now dies with the process that forked it (checked once more after
     asking, in case that process died in between)."""
-    import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
@@ -46,10 +44,7 @@ def forked_writers_die_with_us() -> None:
 
     @functools.wraps(original)
     def write_preloaded_data(*args: Any, **kwargs: Any) -> Any:
-        parent = mp.parent_process()
-        die_with_parent()
-        if parent is not None and os.getppid() != parent.pid:  # it died before we asked: its signal is gone
-            os._exit(1)
+        die_with_parent()  # (and ends at once if the parent died before it asked)
         return original(*args, **kwargs)
 
     write_preloaded_data.dies_with_parent = True

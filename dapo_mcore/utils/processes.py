@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import getpass
 import hashlib
+import multiprocessing
 import os
 import re
 import shutil
@@ -44,6 +45,9 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before we asked: its signal will never come
+        os._exit(1)
 
 
 def end_children(timeout_s: float = 2.0) -> int:

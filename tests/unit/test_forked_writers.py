@@ -43,3 +43,22 @@ def test_megatrons_forked_checkpoint_writers_die_with_their_parent(monkeypatch):
     writer_processes.forked_writers_die_with_us()  # once is enough: not wrapped twice
     assert FileSystemWriterAsync.write_preloaded_data.__wrapped__ is parent_death_signal
     assert forked_writer_signal() == signal.SIGKILL
+
+
+def _orphaned_before_asking() -> None:
+    from dapo_mcore.utils import processes
+
+    processes.os.getppid = lambda: 1  # as when the parent died before the child asked for its death signal
+    processes.die_with_parent()
+    processes.os._exit(0)  # reached only when die_with_parent let an orphan go on
+
+
+def test_a_worker_whose_parent_died_before_it_asked_ends_at_once():
+    """A verifier worker set its parent-death signal only once started; a run killed in that instant left it
+    running until its pipe closed."""
+    import multiprocessing as mp
+
+    child = mp.get_context("fork").Process(target=_orphaned_before_asking)
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 1
