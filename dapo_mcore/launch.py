@@ -95,9 +95,29 @@ class _StopState:
     sigterm_grace_s: float = 20.0
     job_clock: JobClock | None = None  # rank 0 under Slurm: when the job ends, how long a step and a save take
     warning_deferred: bool = False  # Slurm's warning came while the clock decides (said once)
+    forking: bool = False  # inside os.fork's hooks: a stop that would raise is recorded instead (guard_forks)
+    forks_guarded: bool = False
 
 
 _state = _StopState()
+
+
+def guard_forks() -> None:
+    """Once, after the run's imports: while this process forks (the checkpoint writer's workers), a stop that would
+    raise at once is only recorded, and the step boundary stops the run (agreed_stop). Raised inside another
+    package's at-fork hook, it broke that hook's bookkeeping: filelock's after-fork hook then failed with
+    IndexError, printed as "Exception ignored ... Traceback" (seen in a suite run). Ours run outermost: before-fork
+    hooks run in reverse registration order, after-fork hooks in order."""
+    if _state.forks_guarded or not hasattr(os, "register_at_fork"):
+        return
+    _state.forks_guarded = True
+
+    def forking(now: bool) -> None:
+        _state.forking = now
+
+    os.register_at_fork(
+        before=lambda: forking(True), after_in_parent=lambda: forking(False), after_in_child=lambda: forking(False)
+    )
 
 
 def install_stop_handlers() -> None:
@@ -208,7 +228,9 @@ def _on_sigint(signum, frame) -> None:
         return
     if _state.reason == "SIGINT" or not _state.save_on_signal:  # a second Ctrl-C (or saves on signals off): now
         _state.interrupted = True
-        raise KeyboardInterrupt
+        if not _state.forking:  # (inside a fork's hooks: recorded, the boundary stops the run)
+            raise KeyboardInterrupt
+        return
     # The first: like SIGTERM, a save at the next step boundary (Ctrl-C lost everything since the last save: hours
     # of GPU time at the recipes' save interval), but with no grace timer: no one kills the job after it.
     _state.reason = "SIGINT"
@@ -246,7 +268,8 @@ def _terminate(name: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM):
         signal.signal(sig, signal.SIG_IGN)  # one unwinding at a time
     _state.terminated = name  # in case Python drops the exception (module doc)
-    raise Terminated(name)
+    if not _state.forking:  # (inside a fork's hooks: recorded, the boundary stops the run)
+        raise Terminated(name)
 
 
 # --- The job's end time: stopping by itself when a step and a save would no longer fit (module doc) ------------

@@ -34,6 +34,7 @@ from dapo_mcore.launch import (
     agreed_stop,
     cancel_grace,
     configure_stop,
+    guard_forks,
     mark_saved_stop,
     no_step_fits,
     note_save,
@@ -68,6 +69,7 @@ def train(cfg: RunConfig) -> TrainOutcome:
     the weights before training. (rl_step's index and the sampler count the updates done before the one made.)"""
     configure_stop(cfg.checkpoint.save_on_signal, cfg.checkpoint.sigterm_grace_s)
     run = build_run(cfg)
+    guard_forks()  # after the imports, whose at-fork hooks ours must wrap
     saved_step, step = None, 0  # the newest complete save's step (None: none), the step under way
     try:
         watch_job_end(run)

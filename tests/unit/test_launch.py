@@ -444,3 +444,34 @@ def test_a_job_end_that_cannot_be_read_is_said_once_not_silently_ignored(monkeyp
     with caplog.at_level(logging.WARNING):
         assert launch.watch_time_limit(True, 120.0, 10**9, {"SLURM_JOB_ID": "17"}) is None
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+_SIGNAL_IN_FORK_HOOK = {"armed": False, "hook_ran_to_its_end": False}
+
+
+def _a_packages_fork_hook() -> None:
+    """Another package's before-fork hook (registered before guard_forks, as filelock's is by the run's imports),
+    in which a SIGTERM lands."""
+    if not _SIGNAL_IN_FORK_HOOK["armed"]:
+        return
+    _SIGNAL_IN_FORK_HOOK["armed"] = False
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)  # the handler runs here
+    _SIGNAL_IN_FORK_HOOK["hook_ran_to_its_end"] = True
+
+
+os.register_at_fork(before=_a_packages_fork_hook)
+
+
+def test_a_stop_landing_in_a_fork_hook_is_recorded_not_raised_inside_it(handlers):
+    """Terminated raised inside filelock's at-fork hook broke its bookkeeping (IndexError, "Exception ignored ...
+    Traceback" in a suite run); inside a fork the stop is recorded and the step boundary stops the run."""
+    launch.configure_stop(save_on_signal=False, sigterm_grace_s=20.0)  # SIGTERM stops at once
+    launch.guard_forks()
+    _SIGNAL_IN_FORK_HOOK["armed"] = True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert _SIGNAL_IN_FORK_HOOK["hook_ran_to_its_end"]
+    assert launch.requested_stop() == "SIGTERM at once"  # the boundary ends the run (stops_at_once)
