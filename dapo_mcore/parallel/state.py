@@ -260,15 +260,26 @@ def _leave_peer_watch() -> None:
 def _ensure_process_group(device: torch.device, timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a plain `python`/`dapo-mcore` run: a one-process world
-        one_process = dict(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-        )
-        os.environ.update(one_process)
-        _ENV_SET_HERE.update(one_process)
+    one_process = "RANK" not in os.environ  # a plain `python`/`dapo-mcore` run: a one-process world
+    if one_process:
+        _set_here(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     choose_gloo_interface()  # gloo carries the wait group on every device
     backend = "gloo" if device.type == "cpu" else "nccl"
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    for attempt in range(3):
+        try:
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+            return
+        except dist.DistNetworkError as err:
+            # the free port found may be taken before the store listens on it (two runs starting on one host):
+            # a one-process world takes another; a launcher's port is the launcher's to choose
+            if not one_process or "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+            _set_here(MASTER_PORT=str(_free_port()))
+
+
+def _set_here(**variables: str) -> None:
+    os.environ.update(variables)
+    _ENV_SET_HERE.update(variables)
 
 
 def _free_port() -> int:
