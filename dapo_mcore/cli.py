@@ -27,12 +27,13 @@ from dapo_mcore.utils.errors import DapoError
 
 def main(argv: list[str] | None = None) -> int:
     from dapo_mcore.launch import RESUME_EXIT_CODE, StoppedToResume, claim_first_error, install_stop_handlers
-    from dapo_mcore.utils.processes import Terminated, end_children
+    from dapo_mcore.utils.processes import Terminated, die_with_launcher, end_children
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
     args = _parse(_parser(), argv)
     if as_command:
-        install_stop_handlers()  # SIGUSR1 / SIGTERM: save at the next step boundary, exit 75; SIGINT: 130
+        install_stop_handlers()  # SIGUSR1 / SIGTERM / SIGINT: save at the next step boundary, exit 75
+        die_with_launcher()  # under torchrun: its death is a SIGTERM
     rank = os.environ.get("RANK", "0")
     try:
         return args.func(args)

@@ -50,6 +50,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def die_with_launcher() -> None:
+    """A rank torchrun started (in a session of its own: a signal to torchrun's process group misses it): SIGTERM
+    when torchrun dies, so that a SIGKILL of the launcher's group ends its ranks, saving at the step boundary
+    within the grace or stopping (dapo_mcore.launch), instead of leaving them to fail on its store for minutes."""
+    if not sys.platform.startswith("linux") or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the launcher died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def end_children(timeout_s: float = 2.0) -> int:
     """Terminate (then kill) every process below this one; returns how many there were. Our own workers ignore
     SIGTERM (die_with_parent): they are killed at once rather than after `timeout_s`."""

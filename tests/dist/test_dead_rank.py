@@ -4,6 +4,7 @@ tracebacks only)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -40,3 +41,40 @@ def assert_rank_1_named_once(output: str) -> None:
         r"save is kept: continue with checkpoint.resume=auto",
         named[0],
     ), named[0]
+
+
+def test_a_sigkill_of_torchruns_process_group_ends_its_ranks(tmp_path):
+    """torchrun starts its ranks in sessions of their own: a SIGKILL of its process group left them running 1-3
+    minutes, failing on its dead store (one blamed the verifier for it). Now its death is their SIGTERM."""
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=500",
+        "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32",
+        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false",
+        "checkpoint.save_interval=0", f"logging.run_dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    ranks = []
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert launcher.poll() is None and time.time() < deadline, "the run did not reach its second step"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(launcher.pid).children() if "dapo_mcore.cli" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: its ranks are in sessions of their own
+        _, alive = psutil.wait_procs(ranks, timeout=45)  # the step's end and a save, or the 20 s grace
+        assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:  # what is left (the ranks are no children of ours once torchrun is gone)
+        for p in [*psutil.Process().children(recursive=True), *ranks]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
