@@ -7,8 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+
+import psutil
 
 from tests.conftest import REPO, free_port
 
@@ -46,11 +50,6 @@ def assert_rank_1_named_once(output: str) -> None:
 def test_a_sigkill_of_torchruns_process_group_ends_its_ranks(tmp_path):
     """torchrun starts its ranks in sessions of their own: a SIGKILL of its process group left them running 1-3
     minutes, failing on its dead store (one blamed the verifier for it). Now its death is their SIGTERM."""
-    import signal
-    import time
-
-    import psutil
-
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
@@ -74,7 +73,10 @@ def test_a_sigkill_of_torchruns_process_group_ends_its_ranks(tmp_path):
         os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: its ranks are in sessions of their own
         _, alive = psutil.wait_procs(ranks, timeout=45)  # the step's end and a save, or the 20 s grace
         assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    finally:  # what is left (the ranks are no children of ours once torchrun is gone)
-        for p in [*psutil.Process().children(recursive=True), *ranks]:
+    finally:  # what this test started and is left: torchrun and its ranks (no children of ours once it is gone);
+        # not the worker's other children (the warm CLI server that other tests share)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for p in ranks:
             with contextlib.suppress(psutil.Error):
                 p.kill()
