@@ -16,19 +16,26 @@ import psutil
 
 from tests.conftest import REPO, free_port
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+
+
+def torchrun_demo(run_dir, *extra: str) -> list[str]:
+    """A real torchrun of the demo on 2 ranks (this module is about the launcher itself)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "rollout.prompts_per_step=4",
+        "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32", "trainer.micro_batch_size=32",
+        "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false", f"logging.run_dir={run_dir}",
+        *extra,
+    ]  # fmt: skip
+
 
 def test_a_rank_killed_under_torchrun_is_named_once_by_a_survivor(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=4",
-        "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32",
-        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false",
-        "algorithm.dynamic_sampling.filter=tests.verifiers:kill_rank_1_in_step_2",
-        f"logging.run_dir={run_dir}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd = torchrun_demo(
+        run_dir, "trainer.steps=4", "algorithm.dynamic_sampling.filter=tests.verifiers:kill_rank_1_in_step_2"
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert_rank_1_named_once(output)
@@ -51,15 +58,8 @@ def test_a_sigkill_of_torchruns_process_group_ends_its_ranks(tmp_path):
     """torchrun starts its ranks in sessions of their own: a SIGKILL of its process group left them running 1-3
     minutes, failing on its dead store (one blamed the verifier for it). Now its death is their SIGTERM."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "-m", "dapo_mcore.cli", "train", "examples/smoke_cpu.yaml", "trainer.steps=500",
-        "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=32",
-        "trainer.micro_batch_size=32", "logging.wandb.mode=disabled", "logging.plot=false", "logging.progress=false",
-        "checkpoint.save_interval=0", f"logging.run_dir={run_dir}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    cmd = torchrun_demo(run_dir, "trainer.steps=500", "checkpoint.save_interval=0")
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
     ranks = []
     try:
