@@ -165,10 +165,25 @@ def agreed_stop() -> str | None:
     if clock is not None and requested_stop() == SLURM_WARNING and not _state.warning_deferred:
         _state.warning_deferred = True
         log.info("%s: the run goes on until a step and a save no longer fit before the job's end", SLURM_WARNING)
-    for most_urgent in ("SIGINT" + AT_ONCE, "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGINT", "SIGTERM"):
-        if most_urgent in reasons:
-            return most_urgent
-    return reasons[0] if reasons else None
+    return min(reasons, key=_urgency) if reasons else None  # the most urgent; among the others, the first
+
+
+def signalled_stop() -> str | None:
+    """Collective, inside a step: the signal any rank got (SIGTERM, SIGINT, SIGUSR1), the same on every rank; None
+    without one. The step then skips what its save does not need (the weight push, the held-out check), so that
+    the save at the boundary starts within SIGTERM's grace. Slurm's warning and the job's clock are weighed at the
+    boundary only (agreed_stop): they may let the run go on."""
+    from dapo_mcore.parallel import all_gather_objects
+
+    own = requested_stop()
+    gathered = all_gather_objects(own if own not in (None, SLURM_WARNING) else None)
+    signals = [reason for reason in gathered if reason is not None]
+    return min(signals, key=_urgency) if signals else None
+
+
+def _urgency(reason: str) -> int:
+    order = ("SIGINT" + AT_ONCE, "SIGTERM" + AT_ONCE, "SIGUSR1" + AT_ONCE, "SIGINT", "SIGTERM")
+    return order.index(reason) if reason in order else len(order)
 
 
 def stops_at_once(reason: str) -> str | None:

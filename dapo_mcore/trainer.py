@@ -38,6 +38,7 @@ from dapo_mcore.launch import (
     mark_saved_stop,
     no_step_fits,
     note_save,
+    signalled_stop,
     stops_at_once,
     watch_time_limit,
 )
@@ -60,6 +61,9 @@ class TrainOutcome:
     run_dir: Path
     first_step: int  # updates done when this process started (a resume's step, else 0)
     last_step: int  # updates done when it ended
+
+
+PUSH_SKIPPED = "weight_sync/skipped_for_stop"  # a step's metric: its push (and held-out check) skipped for a stop
 
 
 def train(cfg: RunConfig) -> TrainOutcome:
@@ -86,7 +90,9 @@ def train(cfg: RunConfig) -> TrainOutcome:
                 note_step(step)
                 with phase_scope("step"):
                     metrics = rl_step(run, step - 1)
-                report(run, step, {**metrics, **validate(run, step)})  # held out: the weights of this update
+                if PUSH_SKIPPED not in metrics:  # (skipped for a stop: the engine holds the step's old weights)
+                    metrics.update(validate(run, step))  # held out: the weights of this update
+                report(run, step, metrics)
                 complete_background_save(run, step)
                 if should_save(cfg, step):
                     with phase_scope("save"):
@@ -274,6 +280,10 @@ def validate(run: Run, step: int) -> dict[str, float]:
     interval, last = run.cfg.trainer.eval_interval, run.cfg.trainer.steps
     if run.validator is None or (step % interval != 0 and step != last):  # no validator unless interval > 0
         return {}
+    if (reason := signalled_stop()) is not None:  # (came during the push) the save at the boundary goes first
+        if run.ctx.rank == 0:
+            log.warning("%s: the held-out check of step %d is skipped, the save follows", reason, step)
+        return {}
     start = time.perf_counter()
     with engine_phase(run):
         metrics = run.validator.run()
@@ -298,9 +308,26 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(train_phase(run, batch.samples, step, timer))
         release_cached_blocks(run.ctx.device)  # the update's activations and the step's micro-batches
         metrics["memory/after_update_gb"] = memory_in_use_gb(run.ctx.device)
-        with timer.phase("weight_push"):
-            metrics.update(push_weights(run))
+        if skip_push_for_stop(run, step + 1):
+            metrics[PUSH_SKIPPED] = 1.0
+        else:
+            with timer.phase("weight_push"):
+                metrics.update(push_weights(run))
     return {**metrics, **timer.pop(), "time/step_s": time.perf_counter() - start}
+
+
+def skip_push_for_stop(run: Run, step: int) -> bool:
+    """After the update: when a rank got a stop signal, the save at the boundary follows next, and it needs
+    neither the weight push nor the held-out check (a resume pushes the saved weights first). At the recipes'
+    shapes they take from seconds (the push) to minutes (a held-out file at avg@32), beyond SIGTERM's 20 s
+    grace; the step's update was then lost with them. Collective (the push is)."""
+    reason = signalled_stop()
+    if reason is None:
+        return False
+    if run.ctx.rank == 0:
+        log.warning("%s during step %d: its update is done; the weight push and held-out check are skipped, "
+                    "the save follows", reason, step)  # fmt: skip
+    return True
 
 
 def write_samples(run: Run, batch: RolloutBatch, step: int) -> None:

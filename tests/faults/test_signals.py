@@ -20,16 +20,21 @@ from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete
 from dapo_mcore.utils.processes import run_tmp_of
 from tests.e2e.test_quiet_output import wandb_history_steps
 from tests.e2e.test_train_cli import read_rows
-from tests.warm_cli import WarmProcess, cli_env, start_warm
+from tests.warm_cli import REPO, WarmProcess, cli_env, start_warm
+
+SIGNAL_IN_PHASE = REPO / "tests" / "faults" / "signal_in_phase.py"
 
 
-def start(run_dir: Path, *extra: str) -> WarmProcess:
+def start(run_dir: Path, *extra: str, signal_in: list[str] | None = None) -> WarmProcess:
     """The CLI run, forked from a warm server (tests/warm_cli.py: the run is a process of its own, as started by
-    `python -m dapo_mcore.cli`, without paying the imports)."""
+    `python -m dapo_mcore.cli`, without paying the imports). signal_in: PHASE SIGNAL NTH HOLD_S, the run signals
+    itself in that phase (signal_in_phase.py of tests/faults)."""
     argv = ["train", "examples/smoke_cpu.yaml", "trainer.steps=500",
             "rollout.prompts_per_step=4", "rollout.gen_prompts_per_round=4", "trainer.mini_batch_size=16",
             "trainer.micro_batch_size=16", "checkpoint.save_interval=1", "logging.progress=false",
             f"logging.run_dir={run_dir}", *extra]  # fmt: skip
+    if signal_in:
+        return start_warm([*signal_in, "--", *argv], cli_env(), timeout=600, script=SIGNAL_IN_PHASE)
     return start_warm(argv, cli_env(), timeout=600)
 
 
@@ -129,3 +134,52 @@ def test_after_a_sigkill_no_process_of_the_run_is_left_and_the_run_continues(tmp
     assert resumed.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert not run_tmp.exists()  # removed by the next start (its owner gone) and the normal end
     assert f"at step {newest}" in err and [row["step"] for row in read_rows(run_dir)][-1] == newest + 1
+
+
+# (phase, signal, the phase's call in which it comes: step 2's; the run's first push is before step 1)
+PHASE_SIGNALS = [
+    ("generation", "SIGTERM", 2),
+    ("old_logprobs", "SIGTERM", 2),
+    ("update", "SIGTERM", 2),
+    ("push", "SIGTERM", 3),
+    ("save", "SIGTERM", 2),
+    ("generation", "SIGINT", 2),
+    ("push", "SIGINT", 3),
+]
+
+
+@pytest.mark.parametrize(("phase", "name", "nth"), PHASE_SIGNALS)
+def test_a_signal_in_any_phase_of_a_step_saves_that_step_and_exits_75(tmp_path, phase, name, nth):
+    """Step 2 is saved whatever phase the signal came in (step 1 too when the save is the phase): the run
+    stops at the boundary, the lock released. A signal after the update skips the weight push and the held-out
+    check, which the save does not need (at the recipes' shapes they outlast SIGTERM's grace: the step was lost).
+    """
+    run_dir = tmp_path / "run"
+    saves = "checkpoint.save_interval=1" if phase == "save" else "checkpoint.save_interval=1000"
+    held_out = tmp_path / "held_out.jsonl"  # four problems: a held-out check after every step costs little
+    held_out.write_text("".join((REPO / "examples/data/sums-eval64.jsonl").read_text().splitlines(True)[:4]))
+    proc = start(run_dir, saves, "trainer.eval_interval=1", "trainer.eval_k=1", f"data.eval_files={held_out}",
+                 signal_in=[phase, name, str(nth), "1"])  # fmt: skip
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75 and "Traceback" not in err, err[-3000:]
+    assert not run_dir.with_name(f".{run_dir.name}.lock").exists()
+    last = err.strip().splitlines()[-1]
+    step_2 = run_dir / "checkpoints" / "step_000002"
+    saved = "nothing trained since the newest save" if phase == "save" else f"saved to {step_2}"
+    assert last.startswith(f"dapo-mcore: stopped by {name} after step 2; {saved}"), last
+    verify_complete(step_2, checksums=True)
+    rows = read_rows(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2], err[-3000:]
+    skipped = rows[2].get("weight_sync/skipped_for_stop") == 1.0
+    assert skipped == (phase in ("generation", "old_logprobs", "update")), rows[2]
+    assert any(key.startswith("eval/") for key in rows[2]) == (phase == "save"), rows[2]  # (push: skipped too)
+
+
+def test_a_phase_that_outlasts_the_grace_loses_its_step_with_one_line_and_releases_the_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "checkpoint.sigterm_grace_s=1", signal_in=["update", "SIGTERM", "2", "5"])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert not run_dir.with_name(f".{run_dir.name}.lock").exists()
+    assert ("stopped at once by SIGTERM during step 2: the steps after 1 are lost; checkpoint.resume=auto continues "
+            "from the save of step 1") in err, err[-3000:]  # fmt: skip
