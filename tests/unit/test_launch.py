@@ -18,7 +18,8 @@ from dapo_mcore.utils.processes import Terminated
 
 
 @pytest.fixture
-def handlers():
+def handlers(monkeypatch):
+    monkeypatch.setattr(launch, "_state", launch._StopState())  # the signals recorded here stay in this test
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)
     saved = {sig: signal.getsignal(sig) for sig in signals}
     saved_hook = sys.unraisablehook
