@@ -13,6 +13,12 @@ def hang_on_hmm(response: str, reference: str) -> bool:
     return is_correct(response, reference)
 
 
+def never_returns(response: str, reference: str) -> bool:
+    """Hangs on every answer (a verifier waiting on input, a lock or the network)."""
+    time.sleep(3600)
+    return False
+
+
 def keep_even_sums(group) -> bool:
     """A custom dynamic-sampling filter: keep groups whose answer is even."""
     return int(group.prompt.answer) % 2 == 0

@@ -6,7 +6,8 @@ a check, the check goes to its replacement; dying during a check, that check cou
 once it reports that its verifier is imported, so start-up time never counts against a check. A verifier that
 raises counts as wrong and its traceback is kept; one that returns what is no verdict (correct_of) is marked
 invalid, which the caller refuses (rollout/user_functions.py). With workers=0 the checks run in-process without
-a timeout (debugging only).
+a timeout (debugging only). Before its first checks a pool has one worker judge PROBE_ANSWER: a verifier that
+does not return on it within timeout_s hangs on everything, and stops the run with one line (VerifierHangs).
 
 One call's budget grows with its answers (batch_timeout_s + timeout_per_answer_s x answers / workers): a round
 of 12,288 answers must not be cut off where a round of 100 is not. Answers left when it runs out are marked
@@ -56,6 +57,12 @@ class Verdict:
 
 AUTO = -1  # workers: scaled with the answers of a call (host_workers caps it)
 ANSWERS_PER_WORKER = 256
+# Judged once, before a pool's first checks: any working verifier returns on it at once (its verdict does not matter).
+PROBE_ANSWER = ("Answer: 0", "0")
+
+
+class VerifierHangs(DapoError):
+    """The verifier did not judge the probe answer within timeout_s."""
 
 
 def host_workers() -> int:
@@ -158,6 +165,7 @@ class VerifierPool:
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
         self._timeouts = 0  # checks timed out in the current batch
+        self._probed = False
 
     def workers_for(self, answers: int) -> int:
         if self.n_workers != AUTO:
@@ -174,6 +182,8 @@ class VerifierPool:
         wanted = self.workers_for(len(pairs))
         if len(self._workers) < wanted:
             self._workers += [self._start() for _ in range(wanted - len(self._workers))]
+        if not self._probed:
+            self._probe()
         results: list[Verdict | None] = [None] * len(pairs)
         pending, busy = deque(range(len(pairs))), {}  # busy: worker index -> (task index, deadline)
         budget = self.budget_s(len(pairs))
@@ -250,6 +260,27 @@ class VerifierPool:
                         "as wrong, and its worker is started anew (this batch: %d answers, a budget of %.0f s)",
                         self.spec, self.timeout_s, answers, self.budget_s(answers),
                     )  # fmt: skip
+
+    def _probe(self) -> None:
+        """Once, before the first checks: a verifier that cannot judge a one-line answer within timeout_s hangs
+        (waiting on input, a lock, the network), and the run stops here with one line. Found by its checks
+        instead, it cost every round its whole budget (300 s and more at the defaults) before a stop, training on
+        all-wrong rewards meanwhile."""
+        self._probed = True
+        worker = self._workers[0]
+        worker.conn.send((-1, *PROBE_ANSWER))
+        try:
+            if worker.conn.poll(self.timeout_s):
+                worker.conn.recv()
+                return
+        except (EOFError, OSError):  # it died: replaced at its first check, which counts as wrong if it dies too
+            return
+        worker.kill()
+        raise VerifierHangs(
+            f"algorithm.reward.verifier={self.spec} did not judge a one-line answer ({PROBE_ANSWER[0]!r} against "
+            f"{PROBE_ANSWER[1]!r}) within algorithm.reward.timeout_s ({self.timeout_s:g} s): it hangs (waiting on "
+            "input, a lock or the network?) or needs more time per check; fix it, or raise the timeout"
+        )
 
     def _send(self, w: int, task: tuple) -> None:
         """Give worker w a task; a worker found dead (killed while idle) is replaced and the task goes to the

@@ -2,6 +2,7 @@ import time
 
 import pytest
 
+from dapo_mcore.rewards import pool as pool_module
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.utils.errors import ConfigError
 
@@ -116,3 +117,20 @@ def test_a_verifier_that_never_returns_is_said_at_its_first_timeout_and_stops_re
     assert all(v.timed_out and not v.correct for v in verdicts)
     assert sum(not v.unchecked for v in verdicts) <= 4  # 1 s at 0.3 s a check: none begins once it is spent
     assert end - start < 1.0 + pool.startup_timeout_s
+
+
+def test_a_verifier_that_never_returns_stops_the_run_at_its_first_call_within_its_timeout(pool_factory):
+    """It cost a round's whole budget (over 5 minutes at the defaults) every round, training on all-wrong rewards,
+    until 32 timeouts in a row stopped the run; now the probe answer, judged before the first checks, stops it."""
+    pool = pool_factory("tests.verifiers:never_returns", workers=2, timeout_s=0.3, batch_timeout_s=60.0)
+    start = time.time()
+    with pytest.raises(pool_module.VerifierHangs, match=r"=tests\.verifiers:never_returns did not judge a one-line"):
+        pool.verify([("Answer: 1", "1")] * 40)
+    assert time.time() - start < 0.3 + pool.startup_timeout_s
+    assert all(not worker.process.is_alive() for worker in pool._workers[:1])  # the hung one was stopped
+
+
+def test_a_verifier_that_hangs_on_some_answers_passes_the_probe_and_counts_them_wrong(pool_factory):
+    pool = pool_factory("tests.verifiers:hang_on_hmm", workers=1, timeout_s=0.1, batch_timeout_s=60.0)
+    verdicts = pool.verify([("hmm", "1")] * 3 + [("Answer: 2", "2")])
+    assert [v.timed_out for v in verdicts] == [True] * 3 + [False] and verdicts[3].correct
