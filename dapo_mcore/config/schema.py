@@ -399,6 +399,10 @@ class TrainerConfig:
     eval_top_p: float = 0.7
     # Longest held-out answer in tokens; 0: rollout.sampling.max_response_len.
     eval_max_response_len: int = 0
+    # More rules the held-out answers are also checked by, comma-separated (dapo, gsm8k), beside
+    # algorithm.reward.verifier: e.g. gsm8k (the reply's last number, lenient) beside dapo (the final answer after
+    # "Answer:", strict). Their figures are eval/<file>:<rule>/<metric>; the same answers, no extra generation.
+    eval_also_verifiers: str = ""
     # Rehearsals only (rollout.engine=synthetic, `dapo-mcore rehearse`): > 0 makes the actor compute (forward,
     # backward, optimizer step) only this many micro-batches of each step, those of its first mini-batch with the
     # shortest rows, cut to their first rows within 4096 tokens; every micro-batch is still built and held as in a

@@ -297,8 +297,13 @@ def checkpoint_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
 
 
+# The rules trainer.eval_also_verifiers takes: pure functions of the answer's last characters, checked in the
+# training process (no worker, no timeout needed).
+EVAL_ALSO_RULES = ("dapo", "gsm8k")
+
+
 def eval_file_list(text: str) -> list[str]:
-    """data.eval_files as a list of paths."""
+    """data.eval_files (or another comma-separated key) as a list."""
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
@@ -312,6 +317,8 @@ def _check_evaluation(cfg: RunConfig) -> None:
     _require(tr.eval_temperature >= 0, f"trainer.eval_temperature must be >= 0, got {tr.eval_temperature}")
     _require(0.0 < tr.eval_top_p <= 1.0, f"trainer.eval_top_p must be in (0, 1], got {tr.eval_top_p}")
     _require(tr.eval_max_response_len >= 0, "trainer.eval_max_response_len must be >= 0")
+    for rule in eval_file_list(tr.eval_also_verifiers):
+        _require(rule in EVAL_ALSO_RULES, f"trainer.eval_also_verifiers: {rule!r} is not one of {EVAL_ALSO_RULES}")
     for name in files:
         _require(name.endswith(".jsonl"), f"data.eval_files: {name} is not a .jsonl file")
         _require(Path(name).is_file(), f"data.eval_files: file not found: {name}")

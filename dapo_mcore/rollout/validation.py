@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from dapo_mcore.rollout.user_functions import VerdictCheck
 
 # correct[i][j], answers[i][j]: answer j to problem i is right / its normalised final answer
 Checked = tuple[list[list[bool]], list[list[str | None]]]
+# A rule the held-out answers are also checked by (trainer.eval_also_verifiers): its verdict and its extraction
+Rule = tuple[Callable[[str, str], bool], Callable[[str], str | None]]
 
 
 _TRAINER, _ROLLOUT = TrainerConfig(), RolloutConfig()
@@ -122,8 +125,10 @@ class Validator:
         n_replicas: int = 1,
         all_gather: Callable[[Any], list[Any]] = lambda obj: [obj],
         engine_tp_size: int = 1,
+        also: dict[str, Rule] | None = None,
     ):
         self.files, self.engine, self.encode, self.verify, self.extract = files, engine, encode, verify, extract
+        self.also = also or {}  # name -> rule: the same answers checked again, eval/<file>:<name>/<metric>
         self.settings, self.replica, self.n_replicas = settings, replica, n_replicas
         self.all_gather, self.engine_tp_size = all_gather, engine_tp_size
         # the replica's first rank stands for it: the arithmetic is the replica's (rollout/placement.py)
@@ -132,17 +137,31 @@ class Validator:
     def run(self) -> dict[str, float]:
         metrics = {}
         for name, prompts in self.files.items():
-            correct, answers = self._checked_in_order(prompts)
-            for key, value in eval_metrics(correct, answers, self.settings.k).items():
-                metrics[f"eval/{Path(name).stem}/{key}"] = value
+            for rule, (correct, answers) in self._checked_in_order(prompts).items():
+                label = Path(name).stem + (f":{rule}" if rule else "")
+                for key, value in eval_metrics(correct, answers, self.settings.k).items():
+                    metrics[f"eval/{label}/{key}"] = value
         return metrics
 
-    def _checked_in_order(self, prompts: list[Prompt]) -> Checked:
+    def _checked_in_order(self, prompts: list[Prompt]) -> dict[str, Checked]:
+        """The verifier's Checked (under "") and each also-rule's, in the file's order, the same on every rank."""
         split = self.split
         # Seeds as `dapo-mcore eval` uses them with one replica; each replica's stream starts past the others'.
         settings = replace(self.settings, seed=self.settings.seed + self.replica * len(prompts) * self.settings.k)
-        checked = answer_and_check(self.engine, self.encode, split.mine(prompts), self.verify, self.extract, settings)
-        per_replica = split.per_replica(self.all_gather(checked))
-        correct = split.in_order([c for c, _ in per_replica], len(prompts))  # the round-robin split undone
-        answers = split.in_order([a for _, a in per_replica], len(prompts))
-        return correct, answers
+        also: dict[str, Checked] = {rule: ([], []) for rule in self.also}
+        checked = answer_and_check(self.engine, self.encode, split.mine(prompts), self.verify, self.extract, settings,
+                                   on_answered=partial(self._check_also, also))  # fmt: skip
+        per_replica = split.per_replica(self.all_gather({"": checked, **also}))
+        return {
+            rule: (
+                split.in_order([mine[rule][0] for mine in per_replica], len(prompts)),  # the round-robin split undone
+                split.in_order([mine[rule][1] for mine in per_replica], len(prompts)),
+            )
+            for rule in per_replica[0]
+        }
+
+    def _check_also(self, also: dict[str, Checked], problem: AnsweredProblem) -> None:
+        texts = [completion.text for completion in problem.completions]
+        for rule, (is_correct, extract) in self.also.items():
+            also[rule][0].append([bool(is_correct(text, problem.prompt.answer)) for text in texts])
+            also[rule][1].append([extract(text) for text in texts])

@@ -158,6 +158,7 @@ def test_shipped_recipes_load_and_validate():
         (["data.eval_files=examples/smoke_cpu.yaml"], "is not a .jsonl file"),
         (["trainer.eval_top_p=0"], "trainer.eval_top_p must be in (0, 1]"),
         (["trainer.eval_k=0"], "trainer.eval_k must be >= 1"),
+        (["trainer.eval_also_verifiers=gsm8k,math_verify"], "'math_verify' is not one of ('dapo', 'gsm8k')"),
         (["rollout.partial_rollout=true", "rollout.partial_oversample=0.5"], "rollout.partial_oversample must be >= 1"),
         (["rollout.partial_rollout=true", "rollout.partial_max_staleness=-1"], "partial_max_staleness must be >= 0"),
         (["rollout.partial_rollout=true", "algorithm.dynamic_sampling.mode=dynamic_batch"], "needs algorithm.dynamic"),

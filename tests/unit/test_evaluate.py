@@ -17,6 +17,7 @@ from tests.conftest import REPO
 SCRIPT = {
     "p1": ["Answer: 5", "Answer: 5", "Answer: 6", "no idea"],  # 2 right; majority 5 (right)
     "p2": ["Answer: 1", "Answer: 3", "Answer: 3", "Answer: 2"],  # 1 right; majority 3 (wrong)
+    "p3": ["the sum is 7", "7", "Answer: 7", "8"],  # the DAPO rule: 1 right; the last number (gsm8k): 3
 }
 
 
@@ -87,3 +88,28 @@ def test_validation_split_over_two_engine_replicas_equals_one_replica():
     assert alone["eval/held/problems"] == 3
     # p1 says "5" twice and "6" once in four (a:1 wants 5, a:3 wants 6); p2 is right once in four
     assert alone["eval/held/avg@4"] == pytest.approx((2 / 4 + 1 / 4 + 1 / 4) / 3)
+
+
+def test_held_out_answers_checked_by_another_rule_too_give_its_figures_beside_split_over_replicas():
+    """trainer.eval_also_verifiers: the same answers under the lenient rule (the last number) beside the strict
+    one (after "Answer:"), in the file's order when the replicas' shares come back."""
+    from dapo_mcore.build import also_rule
+
+    prompts = [Prompt("p3", "7", "a:1"), Prompt("p2", "1", "a:2"), Prompt("p3", "8", "a:3")]
+    pool = VerifierPool("dapo", workers=0)
+    pieces = (Scripted(), Encoded, pool.verify, answer_extractor("dapo"), EvalSettings(k=4))
+    also = {"gsm8k": also_rule("gsm8k")}
+    alone = Validator({"held.jsonl": prompts}, *pieces, also=also).run()
+    assert alone["eval/held/avg@4"] == pytest.approx((1 / 4 + 1 / 4 + 0) / 3)
+    assert alone["eval/held:gsm8k/avg@4"] == pytest.approx((3 / 4 + 1 / 4 + 1 / 4) / 3)
+    assert alone["eval/held:gsm8k/maj@4"] == pytest.approx(1 / 3)  # p3's majority is 7: right for a:1 only
+    shares = {}
+
+    def capture(obj):
+        shares[1] = obj
+        raise _Captured
+
+    with pytest.raises(_Captured):
+        Validator({"held.jsonl": prompts}, *pieces, replica=1, n_replicas=2, all_gather=capture, also=also).run()
+    gather = lambda obj: [obj, shares[1]]
+    assert Validator({"held.jsonl": prompts}, *pieces, replica=0, n_replicas=2, all_gather=gather, also=also).run() == alone
