@@ -338,6 +338,15 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         seq_mask_low=mm.seq_mask_low,
         seq_mask_high=mm.seq_mask_high,
         early_stop_ratio=mm.early_stop_ratio,
+        token_mask_low=mm.token_mask_low,
+        token_mask_high=mm.token_mask_high,
+        policy_loss=algo.policy_loss,
+        gspo_clip_low=algo.gspo.clip_low,
+        gspo_clip_high=algo.gspo.clip_high,
+        cispo_clip_low=algo.cispo.clip_low,
+        cispo_clip_high=algo.cispo.clip_high,
+        sapo_tau_pos=algo.sapo.tau_pos,
+        sapo_tau_neg=algo.sapo.tau_neg,
     )
 
 

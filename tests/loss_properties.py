@@ -1,11 +1,12 @@
-"""Shared hypothesis strategy and reference for the loss-split properties (unit and dist tiers)."""
+"""Shared hypothesis strategy and reference for the loss-split properties (unit and dist tiers): every
+aggregation, policy loss and rollout correction."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
 
-from dapo_mcore.algo.losses import LOSS_AGG_MODES, LossSettings, dapo_loss
+from dapo_mcore.algo.losses import LOSS_AGG_MODES, POLICY_LOSSES, TIS_MODES, LossSettings, dapo_loss
 
 
 @st.composite
@@ -17,6 +18,8 @@ def loss_batches(draw):
     t = draw(st.integers(2, 6))
     seed = draw(st.integers(0, 2**31 - 1))
     mode = draw(st.sampled_from(LOSS_AGG_MODES))
+    policy_loss = draw(st.sampled_from(POLICY_LOSSES))
+    tis = draw(st.sampled_from(TIS_MODES))
     parts = draw(st.lists(st.integers(0, 3), min_size=b, max_size=b))
     g = torch.Generator().manual_seed(seed)
     logp = torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3 - 1.0
@@ -28,8 +31,11 @@ def loss_batches(draw):
         "adv": (torch.randn(b, 1, generator=g, dtype=torch.float64) * 2).expand(b, t).contiguous(),
         "mask": (torch.rand(b, t, generator=g) > 0.3).double(),
     }
+    batch["rollout"] = batch["old"] + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
     batch["mask"][0, 0] = 1.0  # at least one loss token in the mini-batch
-    settings = LossSettings(agg_mode=mode, norm_len=5, dual_clip_c=2.0, kl_beta=0.1, entropy_coeff=0.01)
+    settings = LossSettings(agg_mode=mode, norm_len=5, dual_clip_c=2.0, kl_beta=0.1, entropy_coeff=0.01,
+                            policy_loss=policy_loss, tis=tis, gspo_clip_low=0.1, gspo_clip_high=0.15,
+                            seq_mask_low=0.8, seq_mask_high=1.25, token_mask_low=0.7, token_mask_high=1.4)  # fmt: skip
     return batch, settings, parts
 
 
@@ -45,6 +51,7 @@ def part_gradient(batch, settings, rows):
         settings,
         entropy_BT=batch["ent"][pick],
         ref_logprobs_BT=batch["ref"][pick],
+        rollout_logprobs_BT=batch["rollout"][pick],
     )
     (grad,) = torch.autograd.grad(num, logp, allow_unused=True)
     return (grad if grad is not None else torch.zeros_like(logp)), den.detach()

@@ -1,12 +1,21 @@
 """DAPO's clipped policy loss with every option users configure in the peers, as one pure function.
 
-Per token (DAPO eq. 8, 10), with r = exp(logp - logp_old):
-    pg   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))             clip-higher
-    pg   = min(pg, -A c) where A < 0                                       dual-clip (c = dual_clip_c)
-    pg  *= min(exp(logp_old - logp_rollout), tis_cap)                      truncated IS, tis="token"
+Per token, with r = exp(logp - logp_old), the policy term of `policy_loss` (each from its paper):
+    dapo   pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))        clip-higher (arXiv 2503.14476 eq. 8, 10)
+           pg = min(pg, -A c) where A < 0                                 dual-clip (c = dual_clip_c)
+    gspo   pg = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high))          arXiv 2507.18071, its token form
+           s_it = sg(s_i) exp(logp_it - sg(logp_it)), s_i = exp(mean_t m (logp - logp_old)) over sequence i
+    cispo  pg = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp            arXiv 2506.13585 eq. 4-5
+    sapo   pg = -(4 / tau) sigmoid(tau (r - 1)) A, tau = tau_pos (A > 0) else tau_neg   arXiv 2511.20347
+then, with w = exp(logp_old - logp_rollout) (the train/inference mismatch, detached):
+    pg  *= min(w_it, tis_cap)                                              truncated IS, tis="token"
+    pg  *= min(prod_t w_it, tis_cap) of the token's sequence               sequence TIS, tis="sequence"
     loss = pg + kl_beta * KL(logp, logp_ref) - entropy_coeff * H
-Tokens of a sequence whose geometric-mean train/rollout ratio leaves [seq_mask_low, seq_mask_high] are masked
-(tis="sequence_mask").
+Tokens of a sequence whose geometric-mean weight leaves [seq_mask_low, seq_mask_high] are masked
+(tis="sequence_mask"); tokens whose own weight leaves [token_mask_low, token_mask_high] are (tis="token_mask",
+IcePop's band mask). GSPO's value s_i is the same for every token of a sequence, and its gradient is
+s_i / |y_i| x sum_t grad logp_it under seq-mean-token-mean: the paper's sequence-level GSPO, which verl's
+"gspo" aggregates so; with per-token advantages it is the paper's GSPO-token.
 
 Aggregation over a mini-batch of B sequences with m_it the loss mask (DESIGN.md rule 1: returned as a
 numerator and a denominator; Megatron's `calculate_per_token_loss` sums both over micro-batches and
@@ -21,8 +30,9 @@ Guard (RLinf's early_stop_imp_ratio): a micro-batch whose mean ratio over its lo
 `early_stop_ratio` contributes neither loss nor denominator. Statistics come back as sums, never .item().
 
 Every mode is sum_it c_it l_it with c_it a constant of the mask, and l_it depends on its own token's log-prob
-and entropy only (the TIS weights and sequence masks come from old and rollout log-probs, detached). So the
-numerator's gradient is per token and known as soon as the token's log-prob is (`token_loss_grad`): the
+and entropy only (the TIS weights and masks come from old and rollout log-probs, detached), for every policy loss
+but gspo, whose s_i needs the whole sequence's log-probs (`needs_whole_sequences`: its gradient is autograd's,
+unfused). So the numerator's gradient is per token and known as soon as the token's log-prob is (`token_loss_grad`): the
 fused log-prob head applies it inside its forward chunk loop instead of recomputing logits in backward.
 There is one definition of l_it, `token_losses`: `dapo_loss` aggregates it, and `token_loss_grad` takes its
 gradient by autograd (a few elementwise ops per token), so the two cannot drift apart.
@@ -38,7 +48,9 @@ from dapo_mcore.config.schema import AlgorithmConfig, SamplingConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
-TIS_MODES = ("none", "token", "sequence_mask")
+TIS_MODES = ("none", "token", "sequence", "sequence_mask", "token_mask")
+POLICY_LOSSES = ("dapo", "gspo", "cispo", "sapo")
+_GSPO_LOG_RATIO_MAX = 10.0  # verl's cap of GSPO's log sequence ratio
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs drift apart
 
 
@@ -61,9 +73,19 @@ class LossSettings:
     seq_mask_low: float = _ALGO.mismatch.seq_mask_low
     seq_mask_high: float = _ALGO.mismatch.seq_mask_high
     early_stop_ratio: float | None = _ALGO.mismatch.early_stop_ratio
+    token_mask_low: float = _ALGO.mismatch.token_mask_low
+    token_mask_high: float = _ALGO.mismatch.token_mask_high
+    policy_loss: str = _ALGO.policy_loss
+    gspo_clip_low: float = _ALGO.gspo.clip_low
+    gspo_clip_high: float = _ALGO.gspo.clip_high
+    cispo_clip_low: float = _ALGO.cispo.clip_low
+    cispo_clip_high: float = _ALGO.cispo.clip_high
+    sapo_tau_pos: float = _ALGO.sapo.tau_pos
+    sapo_tau_neg: float = _ALGO.sapo.tau_neg
 
     def __post_init__(self):
         for value, options, name in (
+            (self.policy_loss, POLICY_LOSSES, "policy_loss"),
             (self.agg_mode, LOSS_AGG_MODES, "agg_mode"),
             (self.kl_estimator, KL_ESTIMATORS, "kl_estimator"),
             (self.tis, TIS_MODES, "tis"),
@@ -72,6 +94,19 @@ class LossSettings:
                 raise ValueError(f"{name}={value!r}; expected one of {options}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+
+    @property
+    def needs_whole_sequences(self) -> bool:
+        """A token's loss depends on its sequence's other log-probs (gspo): no per-token gradient in the head."""
+        return self.policy_loss == "gspo"
+
+    def ratio_band(self) -> tuple[float, float]:
+        """The ratio range outside which the policy loss clips (its statistics count the tokens beyond)."""
+        low, high = {
+            "gspo": (self.gspo_clip_low, self.gspo_clip_high),
+            "cispo": (self.cispo_clip_low, self.cispo_clip_high),
+        }.get(self.policy_loss, (self.clip_low, self.clip_high))
+        return 1.0 - low, 1.0 + high
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -118,12 +153,15 @@ def dapo_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(numerator, denominator, statistic sums) of one micro-batch. Rows are sequences, columns tokens."""
     mask = mask_BT.to(logprobs_BT.dtype)
-    ratio = _ratio(logprobs_BT, old_logprobs_BT)
+    seq_log_ratio = _sequence_log_ratio(logprobs_BT, old_logprobs_BT, mask) if s.needs_whole_sequences else None
+    ratio = _ratio(logprobs_BT, old_logprobs_BT) if seq_log_ratio is None else seq_log_ratio.exp()
     stats = _clip_stats(ratio, advantages_BT, mask, s)
     tis_weight = None
     if s.tis != "none":
         tis_weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats)
-    loss = token_losses(logprobs_BT, old_logprobs_BT, advantages_BT, s, tis_weight, ref_logprobs_BT, entropy_BT)
+    loss = token_losses(
+        logprobs_BT, old_logprobs_BT, advantages_BT, s, tis_weight, ref_logprobs_BT, entropy_BT, seq_log_ratio
+    )
     if s.kl_beta > 0.0:
         with torch.no_grad():
             stats["kl"] = (kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator) * mask).sum()
@@ -143,19 +181,55 @@ def token_losses(
     tis_weight: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    seq_log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """l_it of every token (any shape, all arguments alike): the one definition of the per-token loss (module
-    docstring), before masking and aggregation. `tis_weight`: the truncated importance weights (tis="token")."""
-    ratio = _ratio(logprobs, old_logprobs)
-    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high))
-    if s.dual_clip_c is not None:
-        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * s.dual_clip_c), pg)
+    docstring), before masking and aggregation. `tis_weight`: the truncated importance weights (tis="token" or
+    "sequence"); `seq_log_ratio`: log s_i at each token of sequence i (gspo only, `_sequence_log_ratio`)."""
+    pg = policy_term(logprobs, old_logprobs, advantages, s, seq_log_ratio)
     loss = pg if tis_weight is None else pg * tis_weight
     if s.kl_beta > 0.0:
         loss = loss + s.kl_beta * kl_penalty(logprobs, ref_logprobs, s.kl_estimator)
     if s.entropy_coeff > 0.0:
         loss = loss - s.entropy_coeff * entropy
     return loss
+
+
+def policy_term(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    s: LossSettings,
+    seq_log_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """pg_it of `s.policy_loss` (module docstring), any shape."""
+    if s.policy_loss == "gspo":
+        if seq_log_ratio is None:
+            raise ValueError("policy_loss='gspo' needs the sequences' log ratios (it has no per-token gradient)")
+        # value s_i, gradient s_i d logp_it: the token form of the sequence ratio
+        log_s = (logprobs - logprobs.detach() + seq_log_ratio.detach()).clamp(max=_GSPO_LOG_RATIO_MAX)
+        ratio = log_s.exp()
+        low, high = s.ratio_band()
+        return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(low, high))
+    ratio = _ratio(logprobs, old_logprobs)
+    if s.policy_loss == "cispo":
+        low, high = s.ratio_band()
+        return -ratio.clamp(max(low, 0.0), high).detach() * advantages * logprobs
+    if s.policy_loss == "sapo":
+        tau = torch.full_like(ratio, s.sapo_tau_neg).masked_fill(advantages > 0, s.sapo_tau_pos)
+        return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high))
+    if s.dual_clip_c is not None:
+        pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * s.dual_clip_c), pg)
+    return pg
+
+
+def _sequence_log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor):
+    """[B, T]: log s_i (GSPO's length-normalised sequence ratio, from the log-probs without their gradient) at
+    every token of row i."""
+    log_ratio = (logprobs_BT.detach() - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    seq_B = (log_ratio * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    return seq_B.unsqueeze(-1).expand_as(logprobs_BT)
 
 
 def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
@@ -174,7 +248,8 @@ def micro_batch_keep(stats: dict[str, torch.Tensor], s: LossSettings) -> torch.T
 
 def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
     with torch.no_grad():
-        above, below = ratio > 1.0 + s.clip_high, ratio < 1.0 - s.clip_low
+        low, high = s.ratio_band()
+        above, below = ratio > high, ratio < low
         pos, neg = adv > 0, adv < 0
         stats = {
             "tokens": mask.sum(),
@@ -184,7 +259,7 @@ def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
             "above_high_neg_adv": ((above & neg) * mask).sum(),  # outside the range, still trained
             "below_low_pos_adv": ((below & pos) * mask).sum(),
         }
-        if s.dual_clip_c is not None:
+        if s.dual_clip_c is not None and s.policy_loss == "dapo":
             stats["dual_clip"] = ((ratio > s.dual_clip_c) & neg).to(mask.dtype).mul(mask).sum()
     return stats
 
@@ -193,11 +268,18 @@ def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, 
     """Train/inference mismatch, from the trainer's old policy over the rollout engine's: (truncated importance
     weights or None, the mask with sequences outside the band dropped)."""
     log_w = _mismatch_log_weights(old_logprobs, rollout_logprobs, s)
-    if s.tis == "token":
+    if s.tis in ("token", "sequence"):
+        if s.tis == "sequence":  # each token takes its sequence's product of weights
+            log_w = (log_w * mask).sum(dim=-1, keepdim=True).expand_as(log_w)
         weight = _tis_weight(log_w, s)
         stats["tis_weight"] = (weight * mask).sum()
         stats["tis_truncated"] = ((log_w.exp() > s.tis_cap) * mask).sum()
         return weight, mask
+    if s.tis == "token_mask":  # IcePop: tokens whose weight leaves the band get no gradient
+        w = log_w.exp()
+        inside_BT = ((w >= s.token_mask_low) & (w <= s.token_mask_high)).to(mask.dtype)
+        stats["token_masked"] = (mask * (1.0 - inside_BT)).sum()
+        return None, mask * inside_BT
     inside = _sequences_inside(log_w, mask, s)
     has_tokens = mask.sum(dim=-1) > 0
     stats["seq_masked"] = (~inside & has_tokens).to(mask.dtype).sum()
@@ -302,6 +384,9 @@ def dapo_loss_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d numerator / d logprobs_BT and d numerator / d entropy_BT (None: no entropy term) of `dapo_loss` with
     the same arguments, guard included. (The entropy's value does not enter: the loss is linear in it.)"""
+    if s.needs_whole_sequences:  # no per-token form: autograd through the loss itself
+        return _autograd_of_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, s,
+                                 ref_logprobs_BT=ref_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT)  # fmt: skip
     terms = token_loss_terms(
         old_logprobs_BT,
         advantages_BT,
@@ -318,11 +403,21 @@ def dapo_loss_grad(
     return d_logprobs * keep, None if d_entropy is None else d_entropy * keep
 
 
+def _autograd_of_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, s: LossSettings, **given):
+    with torch.enable_grad():
+        logp = logprobs_BT.detach().requires_grad_()
+        entropy = torch.zeros_like(logp, requires_grad=True) if s.entropy_coeff > 0.0 else None
+        numerator, _, _ = dapo_loss(logp, old_logprobs_BT, advantages_BT, mask_BT, s, entropy_BT=entropy, **given)
+        grads = torch.autograd.grad(numerator, (logp,) if entropy is None else (logp, entropy))
+    return grads[0], grads[1] if entropy is not None else None
+
+
 def stat_keys(s: LossSettings) -> tuple[str, ...]:
     """The statistic sums dapo_loss returns for these settings, in a fixed order (for all-reduces)."""
     keys = ["tokens", "ratio", "clip_high", "clip_low", "above_high_neg_adv", "below_low_pos_adv"]
-    keys += ["dual_clip"] if s.dual_clip_c is not None else []
-    keys += {"token": ["tis_weight", "tis_truncated"], "sequence_mask": ["seq_masked"], "none": []}[s.tis]
+    keys += ["dual_clip"] if s.dual_clip_c is not None and s.policy_loss == "dapo" else []
+    keys += {"token": ["tis_weight", "tis_truncated"], "sequence": ["tis_weight", "tis_truncated"],
+             "sequence_mask": ["seq_masked"], "token_mask": ["token_masked"], "none": []}[s.tis]  # fmt: skip
     keys += ["kl"] if s.kl_beta > 0.0 else []
     keys += ["skipped_micro_batches"] if s.early_stop_ratio is not None else []
     return tuple(keys)

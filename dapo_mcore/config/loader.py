@@ -250,7 +250,9 @@ def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(ftype)
         if value not in choices:
-            raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}")
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}{hint}")
         return value
     if origin is list:  # a YAML list ([a, b]); a plain string is one item, or several comma-separated
         items = [part.strip() for part in value.split(",")] if isinstance(value, str) else value

@@ -297,13 +297,20 @@ class MismatchConfig:
     # Train/inference mismatch correction with importance weights exp(logp_old - logp_rollout):
     # "token": truncated importance sampling, weights capped at tis_cap; "sequence_mask": drop the tokens of
     # sequences whose geometric-mean weight leaves [seq_mask_low, seq_mask_high]; "none": metrics only.
-    tis: Literal["none", "token", "sequence_mask"] = "none"
-    # The cap of the token-level importance weights (tis=token).
+    # "sequence": truncated importance sampling of whole sequences, each token weighted by its sequence's product
+    # of weights, capped at tis_cap; "token_mask": IcePop's band mask, no gradient for the tokens whose weight
+    # leaves [token_mask_low, token_mask_high]. Each composes with every algorithm.policy_loss.
+    tis: Literal["none", "token", "sequence", "sequence_mask", "token_mask"] = "none"
+    # The cap of the importance weights (tis=token: each token's; tis=sequence: each sequence's product).
     tis_cap: float = 2.0
     # tis=sequence_mask: the lowest sequence (geometric-mean) weight kept.
     seq_mask_low: float = 0.5
     # tis=sequence_mask: the highest sequence (geometric-mean) weight kept.
     seq_mask_high: float = 2.0
+    # tis=token_mask: the lowest token weight kept (IcePop masks the tokens outside [alpha, beta]).
+    token_mask_low: float = 0.5
+    # tis=token_mask: the highest token weight kept.
+    token_mask_high: float = 5.0
     # Skip (zero loss, no tokens counted) a micro-batch whose mean ratio exceeds this (RLinf's
     # early_stop_imp_ratio); null: never.
     early_stop_ratio: float | None = None
@@ -317,7 +324,38 @@ class MismatchConfig:
 
 
 @dataclass
+class GspoConfig:
+    # GSPO's clip range of the sequence ratio (its length-normalised geometric mean), far narrower than a token
+    # ratio's: the paper's 3e-4 / 4e-4 (arXiv 2507.18071).
+    clip_low: float = 3.0e-4
+    # The upper side of GSPO's clip range.
+    clip_high: float = 4.0e-4
+
+
+@dataclass
+class CispoConfig:
+    # CISPO's importance weight is clipped to [1 - clip_low, 1 + clip_high] and detached (arXiv 2506.13585): the
+    # paper bounds it above only, so clip_low 1 (a weight is never below 0); clip_high as in verl's CISPO example.
+    clip_low: float = 1.0
+    # The upper bound of CISPO's weight is 1 + clip_high.
+    clip_high: float = 0.2
+
+
+@dataclass
+class SapoConfig:
+    # SAPO's soft gate (4 / tau) sigmoid(tau (r - 1)) for tokens of positive advantage (arXiv 2511.20347: 1.0).
+    tau_pos: float = 1.0
+    # The gate's temperature for negative advantages, the steeper (the paper: 1.05).
+    tau_neg: float = 1.05
+
+
+@dataclass
 class AlgorithmConfig:
+    # The policy loss: "dapo" (clip-higher PPO, the paper's), "gspo" (sequence-level ratio, arXiv 2507.18071),
+    # "cispo" (clipped, detached importance weight times the log-prob, arXiv 2506.13585), "sapo" (soft gate,
+    # arXiv 2511.20347). Their own settings are algorithm.gspo / cispo / sapo; clip_low / clip_high /
+    # dual_clip_c are dapo's.
+    policy_loss: Literal["dapo", "gspo", "cispo", "sapo"] = "dapo"
     # Decoupled clip (clip-higher): ratio clipped to [1 - clip_low, 1 + clip_high] (paper: 0.2 / 0.28).
     clip_low: float = 0.2
     # The upper clip, larger than the lower so that unlikely tokens can gain probability (paper: 0.28).
@@ -340,6 +378,9 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    gspo: GspoConfig = field(default_factory=GspoConfig)
+    cispo: CispoConfig = field(default_factory=CispoConfig)
+    sapo: SapoConfig = field(default_factory=SapoConfig)
 
 
 @dataclass

@@ -112,6 +112,7 @@ def _check_algorithm(cfg: RunConfig) -> None:
     _check_length_shaping(cfg)
     _check_dynamic_sampling(cfg)
     _check_mismatch(cfg)
+    _check_policy_loss(cfg)
 
 
 def _check_reward(cfg: RunConfig) -> None:
@@ -161,9 +162,20 @@ def _check_mismatch(cfg: RunConfig) -> None:
     _require(mm.guard_max_kl > 0.0, "algorithm.mismatch.guard_max_kl must be > 0 (nats a token)")
     _require(0.0 <= mm.seq_mask_low < mm.seq_mask_high, "algorithm.mismatch: need 0 <= seq_mask_low < seq_mask_high")
     _require(
+        0.0 <= mm.token_mask_low < mm.token_mask_high, "algorithm.mismatch: need 0 <= token_mask_low < token_mask_high"
+    )
+    _require(
         mm.early_stop_ratio is None or mm.early_stop_ratio > 0,
         "algorithm.mismatch.early_stop_ratio must be > 0 (or null)",
     )
+
+
+def _check_policy_loss(cfg: RunConfig) -> None:
+    algo = cfg.algorithm
+    for name in ("gspo", "cispo"):
+        section = getattr(algo, name)
+        _require(section.clip_low >= 0.0 and section.clip_high >= 0.0, f"algorithm.{name}: clip_low / clip_high >= 0")
+    _require(algo.sapo.tau_pos > 0.0 and algo.sapo.tau_neg > 0.0, "algorithm.sapo: tau_pos / tau_neg must be > 0")
 
 
 def _check_rollout(cfg: RunConfig) -> None:

@@ -476,7 +476,12 @@ class MegatronActor(PolicyRunner):
         old, adv, mask = per_seq(mb.old_logprobs), per_seq(mb.advantages), per_seq(mb.loss_mask)
         given = {"ref_logprobs_BT": per_seq(mb.ref_logprobs), "rollout_logprobs_BT": per_seq(mb.rollout_logprobs)}
         anchor = None
-        if self.settings.fused_logprobs and self.settings.fused_loss_grad:
+        # (a sequence-level loss, gspo, has no per-token gradient to take inside the head's forward)
+        if (
+            self.settings.fused_logprobs
+            and self.settings.fused_loss_grad
+            and not self.settings.loss.needs_whole_sequences
+        ):
             terms = token_loss_terms(old, adv, mask, self.settings.loss, **given)
             logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits, terms)
         else:
@@ -558,6 +563,7 @@ class MegatronActor(PolicyRunner):
             "tis_weight": ("mismatch/tis_weight_mean", tokens),
             "tis_truncated": ("mismatch/tis_truncated_frac", tokens),
             "seq_masked": ("mismatch/seq_masked", 1.0),
+            "token_masked": ("mismatch/token_masked_frac", tokens),
             "skipped_micro_batches": ("mismatch/skipped_micro_batches", 1.0),
         }
         for key, (name, divisor) in optional.items():

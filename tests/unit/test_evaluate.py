@@ -112,4 +112,7 @@ def test_held_out_answers_checked_by_another_rule_too_give_its_figures_beside_sp
     with pytest.raises(_Captured):
         Validator({"held.jsonl": prompts}, *pieces, replica=1, n_replicas=2, all_gather=capture, also=also).run()
     gather = lambda obj: [obj, shares[1]]
-    assert Validator({"held.jsonl": prompts}, *pieces, replica=0, n_replicas=2, all_gather=gather, also=also).run() == alone
+    assert (
+        Validator({"held.jsonl": prompts}, *pieces, replica=0, n_replicas=2, all_gather=gather, also=also).run()
+        == alone
+    )
