@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from dapo_mcore.config import load_config
-from dapo_mcore.config.presets import ABLATIONS, ROLLOUT_VARIANTS
+from dapo_mcore.config.presets import ABLATIONS, LOSS_VARIANTS, ROLLOUT_VARIANTS
 
-VARIANTS = {**ABLATIONS, **ROLLOUT_VARIANTS}
+VARIANTS = {**ABLATIONS, **ROLLOUT_VARIANTS, **LOSS_VARIANTS}
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 WINDOW = 5

@@ -29,3 +29,11 @@ ROLLOUT_VARIANTS: dict[str, list[str]] = {
         "algorithm.mismatch.tis=token",
     ],
 }
+
+# Not ablations either: DAPO's recipe with another policy loss (algorithm.policy_loss, at that loss's own default
+# settings; docs/algorithm.md).
+LOSS_VARIANTS: dict[str, list[str]] = {
+    "gspo": ["algorithm.policy_loss=gspo"],
+    "cispo": ["algorithm.policy_loss=cispo"],
+    "sapo": ["algorithm.policy_loss=sapo"],
+}

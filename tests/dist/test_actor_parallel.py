@@ -78,6 +78,11 @@ PACKED_OPTIONS = [(2, {"tp": 2, "sp": True, "recompute": "full"}), (2, {"pp": 2,
 HEAD_LOSS_GRAD = {"loss_agg_modes": "token-mean,seq-mean-token-mean", "entropy_coeffs": "0,0.1"}
 PACKED_HEAD_LOSS_GRAD = {"tp": 2, "packing": "mask", "varied_samples": True, "max_tokens": PACKED_BUDGET,
                          **HEAD_LOSS_GRAD}  # fmt: skip
+# The policy losses beside dapo, with a rollout correction that weights each token: every run of a loss, at any
+# micro-batch size and at TP 2 (fused head: cispo and sapo take their per-token gradient in its forward; gspo,
+# a sequence-level ratio, the unfused one), equals the one-process run of 4-sample micro-batches.
+POLICY_LOSS_RUNS = {"policy_losses": "dapo,gspo,cispo,sapo", "loss_agg_modes": "token-mean,seq-mean-token-mean",
+                    "micro_batch_sizes": "4,16", "tis": "token"}  # fmt: skip
 # Every run the tests below ask `llama` for, made in one launch per process count when the module starts (a run
 # missing here is still made, in a launch of its own, when a test asks for it).
 LLAMA_RUNS = [
@@ -95,6 +100,8 @@ LLAMA_RUNS = [
     *[(n, {**PACKED, **options}) for n, options in PACKED_OPTIONS],
     (2, PACKED_HEAD_LOSS_GRAD),
     (2, {**PACKED_HEAD_LOSS_GRAD, "recompute_logits": True}),
+    (1, POLICY_LOSS_RUNS),
+    (2, {"tp": 2, **POLICY_LOSS_RUNS}),
 ]
 
 
@@ -179,6 +186,19 @@ def test_distributed_optimizer_step_matches_the_single_process_step(llama):
             torch.testing.assert_close(result["stepped"][name], weight, rtol=0, atol=1e-6, msg=name)
             moved = max(moved, (weight - reference["weights"][name]).abs().max().item())
         assert moved > 1e-3  # the step did move the weights
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_every_policy_loss_is_the_same_for_any_micro_batch_split_and_at_tp2(llama, policy_loss, mode):
+    one, tp2 = llama.run(1, **POLICY_LOSS_RUNS), llama.run(2, tp=2, **POLICY_LOSS_RUNS)
+    reference = f"{mode}/4/0/{policy_loss}"
+    assert_same(one, one, run=f"{mode}/16/0/{policy_loss}", reference_run=reference)
+    assert_same(tp2, one, run=f"{mode}/4/0/{policy_loss}", reference_run=reference)
+    assert_same(tp2, one, run=f"{mode}/16/0/{policy_loss}", reference_run=reference)
+    # not DAPO's gradient under another name
+    dapo, other = one["runs"][f"{mode}/4/0"]["grads"], one["runs"][reference]["grads"]
+    assert any(not torch.allclose(dapo[name], other[name], rtol=1e-3, atol=1e-6) for name in dapo)
 
 
 @pytest.mark.parametrize("tp, nproc", [(1, 1), (2, 2)], ids=["tp1", "tp2"])

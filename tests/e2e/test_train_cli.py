@@ -1,6 +1,7 @@
 """Whole runs through the command line, as a user starts them (single process and under torchrun)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,21 @@ def test_smoke_recipe_runs_with_each_dapo_component_off(tmp_path, component):
     )
     if component == "dynamic_sampling":
         assert "dynamic_sampling/all_correct_groups" not in rows[0]
+
+
+@pytest.mark.parametrize(
+    ("policy_loss", "tis", "metric"),
+    [("gspo", "sequence", "mismatch/tis_weight_mean"), ("cispo", "token_mask", "mismatch/token_masked_frac"),
+     ("sapo", "token", "mismatch/tis_weight_mean")],
+)  # fmt: skip
+def test_each_policy_loss_trains_with_a_rollout_correction(tmp_path, policy_loss, tis, metric):
+    run_dir = tmp_path / "run"
+    cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", f"algorithm.policy_loss={policy_loss}",
+        f"algorithm.mismatch.tis={tis}", f"logging.run_dir={run_dir}", "logging.wandb.mode=disabled")  # fmt: skip
+    rows = read_rows(run_dir)
+    assert len(rows) == 2 and all(r["actor/train_tokens"] > 0 and r["actor/grad_norm"] > 0 for r in rows), rows
+    assert all(math.isfinite(r["loss/policy"]) and metric in r for r in rows), rows
+    assert load_config(run_dir / "config.yaml").algorithm.policy_loss == policy_loss
 
 
 def test_round_cap_continues_by_default_and_stops_cleanly_in_strict_mode(tmp_path):

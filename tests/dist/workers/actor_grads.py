@@ -182,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
         help="fused head without the loss gradient in its forward: backward recomputes logits",
     )
     ap.add_argument("--entropy-coeffs", default="0", help="entropy bonus coefficients to run (0: none)")
+    ap.add_argument("--policy-losses", default="dapo", help="algorithm.policy_loss values to run (gspo: wide band)")
+    ap.add_argument("--tis", default="none", help="the rollout correction of every run (algorithm.mismatch.tis)")
     ap.add_argument("--optimizer-step", action="store_true", help="also take one optimizer step, save weights")
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
@@ -207,9 +209,12 @@ def run(args) -> None:
     for packing in packings[1:]:
         actor.settings = dataclasses.replace(actor.settings, packing=packing)
         result[f"logprobs_{packing}"] = token_logprobs(actor, samples)
-    runs = itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings, args.entropy_coeffs.split(","))
-    for mode, budget, mbs, packing, entropy in runs:
-        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13, entropy_coeff=float(entropy))
+    runs = itertools.product(args.loss_agg_modes.split(","), budgets, sizes, packings, args.entropy_coeffs.split(","),
+                             args.policy_losses.split(","))  # fmt: skip
+    for mode, budget, mbs, packing, entropy, policy_loss in runs:
+        wide_gspo_band = {"gspo_clip_low": 0.2, "gspo_clip_high": 0.28}  # the paper's clips nearly every sequence
+        loss = dataclasses.replace(actor.settings.loss, agg_mode=mode, norm_len=13, entropy_coeff=float(entropy),
+                                   policy_loss=policy_loss, tis=args.tis, **wide_gspo_band)  # fmt: skip
         actor.settings = dataclasses.replace(
             actor.settings, micro_batch_size=mbs, loss=loss, max_tokens_per_micro_batch=budget, packing=packing
         )
@@ -217,6 +222,7 @@ def run(args) -> None:
         grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
         key = f"{mode}/{mbs}/{budget}" + ("" if packing == "off" else f"/{packing}")
         key += f"/entropy {entropy}" if float(entropy) else ""
+        key += "" if policy_loss == "dapo" else f"/{policy_loss}"
         result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads}
     if args.optimizer_step:
         actor.settings = dataclasses.replace(
