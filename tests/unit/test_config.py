@@ -159,6 +159,17 @@ def test_shipped_recipes_load_and_validate():
         (["trainer.eval_top_p=0"], "trainer.eval_top_p must be in (0, 1]"),
         (["trainer.eval_k=0"], "trainer.eval_k must be >= 1"),
         (["trainer.eval_also_verifiers=gsm8k,math_verify"], "'math_verify' is not one of ('dapo', 'gsm8k')"),
+        (
+            ["algorithm.policy_loss=gpso"],
+            "'algorithm.policy_loss' must be one of ['dapo', 'gspo', 'cispo', 'sapo'], "
+            "got 'gpso'; did you mean 'gspo'?",
+        ),
+        (["algorithm.mismatch.tis=icepop"], "got 'icepop'"),
+        (["algorithm.sapo.tau_neg=0"], "algorithm.sapo: tau_pos / tau_neg must be > 0"),
+        (
+            ["algorithm.mismatch.token_mask_low=2", "algorithm.mismatch.token_mask_high=1"],
+            "token_mask_low < token_mask_high",
+        ),
         (["rollout.partial_rollout=true", "rollout.partial_oversample=0.5"], "rollout.partial_oversample must be >= 1"),
         (["rollout.partial_rollout=true", "rollout.partial_max_staleness=-1"], "partial_max_staleness must be >= 0"),
         (["rollout.partial_rollout=true", "algorithm.dynamic_sampling.mode=dynamic_batch"], "needs algorithm.dynamic"),
