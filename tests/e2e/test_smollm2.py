@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -88,6 +89,23 @@ def test_the_recipe_trains_smollm2_at_tp1(smollm2, tmp_path):
     assert all(r["actor/train_tokens"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
     # the engine samples from the pushed weights: its log-probs are the actor's
     assert all(r["mismatch/abs_logp_diff_max"] < 1e-3 for r in rows)
+
+
+def test_the_strict_dapo_recipe_runs_its_held_out_check_in_both_forms(smollm2, tmp_path):
+    """examples/smollm2_dapo_cpu.yaml made small: the paper's instruction in the prompts, the DAPO rule as reward,
+    and the held-out answers judged by it and by the last number (gsm8k) before training and after each step."""
+    run_dir, held_out = tmp_path / "run", tmp_path / "held_out.jsonl"
+    held_out.write_text("".join((REPO / "examples/data/sums-0-19/heldout.jsonl").read_text().splitlines(True)[:2]))
+    cli("train", "examples/smollm2_dapo_cpu.yaml", *FEW_STEPS, "trainer.steps=2", "checkpoint.save_interval=0",
+        "trainer.eval_interval=1", "trainer.eval_k=2", f"data.eval_files={held_out}", "logging.samples_per_step=1",
+        f"logging.run_dir={run_dir}", timeout=900)  # fmt: skip
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all({"eval/held_out/avg@2", "eval/held_out:gsm8k/avg@2"} <= set(r) for r in rows), rows
+    assert all(r["actor/train_tokens"] > 0 for r in rows[1:])
+    sample = json.loads((run_dir / "samples" / "step_000001.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"].rstrip().endswith('Remember to put your answer on its own line after "Answer:".'
+                                              "<|im_end|>\n<|im_start|>assistant"), sample["prompt"]  # fmt: skip
 
 
 def test_a_pp2_save_of_smollm2_converts_back_to_the_original_log_probs(smollm2, tmp_path):
