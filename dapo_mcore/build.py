@@ -56,14 +56,14 @@ from dapo_mcore.parallel import (
 )
 from dapo_mcore.parallel.gloo_net import gloo_route
 from dapo_mcore.plan import checkpoint_bytes
-from dapo_mcore.rewards.answers import answer_extractor
-from dapo_mcore.rewards.pool import BUILTIN_VERIFIERS, VerifierPool
+from dapo_mcore.rewards.answers import also_rule, answer_extractor
+from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unavailable, run_instance_id
 from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
-from dapo_mcore.rollout.validation import EvalSettings, Rule, Validator
+from dapo_mcore.rollout.validation import EvalSettings, Validator
 from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunLockError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
@@ -584,11 +584,6 @@ def build_validator(
         engine_tp_size=tp,
         also={rule: also_rule(rule) for rule in eval_file_list(cfg.trainer.eval_also_verifiers)},
     )
-
-
-def also_rule(name: str) -> Rule:
-    """A rule of trainer.eval_also_verifiers (config/validate.py: EVAL_ALSO_RULES), in this process."""
-    return import_callable(BUILTIN_VERIFIERS[name], what="verifier"), answer_extractor(name)
 
 
 def eval_settings(cfg: RunConfig, n_replicas: int) -> EvalSettings:

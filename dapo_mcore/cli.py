@@ -190,6 +190,11 @@ def _add_eval_parser(sub) -> None:
     cmd.add_argument(
         "--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function (default %(default)s)"
     )
+    cmd.add_argument(
+        "--also-verifier", action="append", default=[], choices=["dapo", "gsm8k"], metavar="RULE",
+        help="check the same answers by this rule too (dapo or gsm8k; repeatable): e.g. gsm8k's last number beside "
+             "dapo's strict 'Answer:' form, as FILE:RULE rows",
+    )  # fmt: skip
     paper = "(default %(default)s: the DAPO paper's AIME evaluation, avg@32 at temperature 1.0, top-p 0.7)"
     cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=f"sampling {paper}")
     cmd.add_argument("--top-p", type=float, default=TrainerConfig.eval_top_p, help=f"nucleus sampling {paper}")
@@ -396,7 +401,7 @@ def _eval(args: argparse.Namespace) -> int:
     run_eval(
         args.model, args.data, args.engine, args.verifier, settings,
         template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
-        save_answers=args.save_answers, verify=not args.no_verify,
+        save_answers=args.save_answers, verify=not args.no_verify, also=tuple(args.also_verifier),
     )  # fmt: skip
     return 0
 

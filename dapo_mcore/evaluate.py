@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,18 @@ from rich.table import Table
 from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.data.datasets import load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter
-from dapo_mcore.rewards.answers import answer_extractor
+from dapo_mcore.rewards.answers import also_rule, answer_extractor
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.base import EngineSettings
 from dapo_mcore.rollout.registry import create_engine
-from dapo_mcore.rollout.validation import AnsweredProblem, EvalSettings, answer_and_check
+from dapo_mcore.rollout.validation import (
+    AnsweredProblem,
+    Checked,
+    EvalSettings,
+    Rule,
+    answer_and_check,
+    check_also,
+)
 from dapo_mcore.utils.errors import ConfigError
 from dapo_mcore.utils.logging import quiet_save_reading
 
@@ -47,6 +55,7 @@ def run_eval(
     out: str | None = None,
     save_answers: str | None = None,
     verify: bool = True,
+    also: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     # an HF directory is used as it is; anything else must be a checkpoint (named if it is not, before any work)
     ckpt = None if (Path(model) / "config.json").is_file() else _checkpoint_of(Path(model))
@@ -58,7 +67,7 @@ def run_eval(
         hf_dir = Path(model) if ckpt is None else converted_to_hf(ckpt, Path(workdir) / "hf", verify)
         engine = EngineSettings(model_path=str(hf_dir), device=device, dtype=dtype)
         prompting = (template, instruction)
-        results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, prompting, answer_file)
+        results = _evaluate(prompt_sets, engine_name, engine, verifier, settings, prompting, answer_file, also)
     results["model"] = model
     if save_answers:
         results["answers"] = save_answers
@@ -117,29 +126,43 @@ def _evaluate(
     settings: EvalSettings,
     template_and_instruction: tuple[str, str],
     answer_file: AnswerFile | None = None,
+    also: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """Each file's metrics under `verifier` (results["files"][name]) and under each rule of `also`, on the same
+    answers (results["files"][f"{name}:{rule}"])."""
     from transformers import AutoTokenizer
 
     template, instruction = template_and_instruction
     encode = PromptFormatter(AutoTokenizer.from_pretrained(engine_settings.model_path), template, instruction)
     engine = create_engine(engine_name, engine_settings)
     pool = VerifierPool(verifier, workers=1)
+    rules = {rule: also_rule(rule) for rule in also}
     results: dict[str, Any] = {"engine": engine_name, "verifier": verifier, "files": {}}
     results["settings"] = settings.__dict__ | {"template": template, "instruction": instruction}
     try:
         with _progress(sum(len(p) for p in prompt_sets.values())) as (progress, task):
             for name, prompts in prompt_sets.items():
                 progress.update(task, description=Path(name).name)
-                on_answered = answer_file.writer_for(name, encode.text) if answer_file else None
+                write = answer_file.writer_for(name, encode.text) if answer_file else None
+                also_checked: dict[str, Checked] = {rule: ([], []) for rule in rules}
+                on_answered = partial(_on_answered, write, rules, also_checked)
                 correct, answers = answer_and_check(
                     engine, encode, prompts, pool.verify, answer_extractor(verifier), settings,
                     on_progress=lambda n: progress.advance(task, n), on_answered=on_answered,
                 )  # fmt: skip
                 results["files"][name] = eval_metrics(correct, answers, settings.k)
+                for rule, checked in also_checked.items():
+                    results["files"][f"{name}:{rule}"] = eval_metrics(*checked, settings.k)
     finally:
         pool.close()
         engine.shutdown()
     return results
+
+
+def _on_answered(write, rules: dict[str, Rule], also_checked: dict[str, Checked], problem: AnsweredProblem) -> None:
+    if write is not None:
+        write(problem)
+    check_also(rules, also_checked, problem)
 
 
 class AnswerFile:

@@ -309,8 +309,8 @@ def checkpoint_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir_of(cfg) / "checkpoints"
 
 
-# The rules trainer.eval_also_verifiers takes: pure functions of the answer's last characters, checked in the
-# training process (no worker, no timeout needed).
+# The rules trainer.eval_also_verifiers takes (rewards/answers.py: ALSO_RULES, which the config layer does not
+# import; tests/unit/test_evaluate.py holds them equal).
 EVAL_ALSO_RULES = ("dapo", "gsm8k")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dapo_mcore.rewards import dapo_rule, gsm8k_rule, synthetic_rule
+from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.latex import last_boxed
 
 
@@ -37,3 +38,15 @@ _EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 
 def answer_extractor(verifier: str) -> Callable[[str], str | None]:
     return _EXTRACTORS.get(verifier, _dapo)
+
+
+# The rules held-out answers may also be checked by (trainer.eval_also_verifiers, `eval --also-verifier`): pure
+# functions of the answer's last characters, run in the calling process (no worker, no timeout needed).
+ALSO_RULES = ("dapo", "gsm8k")
+
+
+def also_rule(name: str) -> tuple[Callable[[str, str], bool], Callable[[str], str | None]]:
+    """(is_correct, extract) of one of ALSO_RULES."""
+    if name not in ALSO_RULES:
+        raise ValueError(f"{name!r} is not one of {ALSO_RULES}")
+    return import_callable(f"dapo_mcore.rewards.{name}_rule:is_correct", what="verifier"), answer_extractor(name)

@@ -161,7 +161,12 @@ class Validator:
         }
 
     def _check_also(self, also: dict[str, Checked], problem: AnsweredProblem) -> None:
-        texts = [completion.text for completion in problem.completions]
-        for rule, (is_correct, extract) in self.also.items():
-            also[rule][0].append([bool(is_correct(text, problem.prompt.answer)) for text in texts])
-            also[rule][1].append([extract(text) for text in texts])
+        check_also(self.also, also, problem)
+
+
+def check_also(rules: dict[str, Rule], checked: dict[str, Checked], problem: AnsweredProblem) -> None:
+    """Append the problem's answers, judged by each rule, to checked[rule] (an on_answered of answer_and_check)."""
+    texts = [completion.text for completion in problem.completions]
+    for rule, (is_correct, extract) in rules.items():
+        checked[rule][0].append([bool(is_correct(text, problem.prompt.answer)) for text in texts])
+        checked[rule][1].append([extract(text) for text in texts])

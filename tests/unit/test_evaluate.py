@@ -52,9 +52,11 @@ def test_eval_command_on_the_demo_model_writes_json_and_a_table(tmp_path, capsys
                             for a in range(6)))  # fmt: skip
     out = tmp_path / "eval.json"
     model = str(REPO / "examples/models/tiny-arith")
-    code = main(["eval", model, "--data", str(data), "--k", "4", "--max-new-tokens", "32", "--out", str(out)])
-    assert code == 0
-    metrics = json.loads(out.read_text())["files"][str(data)]
+    argv = ["eval", model, "--data", str(data), "--k", "4", "--max-new-tokens", "32", "--out", str(out)]
+    assert main([*argv, "--also-verifier", "gsm8k"]) == 0
+    files = json.loads(out.read_text())["files"]
+    metrics, lenient = files[str(data)], files[f"{data}:gsm8k"]  # the same answers, by the last number too
+    assert lenient["problems"] == 6 and lenient["avg@4"] >= metrics["avg@4"]
     assert metrics["problems"] == 6 and set(metrics) >= {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4"}
     assert metrics["pass@1"] == pytest.approx(metrics["avg@4"]) and metrics["pass@4"] >= metrics["pass@2"]
     assert "avg@4" in capsys.readouterr().out
@@ -90,10 +92,17 @@ def test_validation_split_over_two_engine_replicas_equals_one_replica():
     assert alone["eval/held/avg@4"] == pytest.approx((2 / 4 + 1 / 4 + 1 / 4) / 3)
 
 
+def test_the_also_rules_are_the_ones_the_config_accepts():
+    from dapo_mcore.config.validate import EVAL_ALSO_RULES
+    from dapo_mcore.rewards.answers import ALSO_RULES
+
+    assert EVAL_ALSO_RULES == ALSO_RULES
+
+
 def test_held_out_answers_checked_by_another_rule_too_give_its_figures_beside_split_over_replicas():
     """trainer.eval_also_verifiers: the same answers under the lenient rule (the last number) beside the strict
     one (after "Answer:"), in the file's order when the replicas' shares come back."""
-    from dapo_mcore.build import also_rule
+    from dapo_mcore.rewards.answers import also_rule
 
     prompts = [Prompt("p3", "7", "a:1"), Prompt("p2", "1", "a:2"), Prompt("p3", "8", "a:3")]
     pool = VerifierPool("dapo", workers=0)
