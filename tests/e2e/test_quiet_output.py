@@ -56,6 +56,7 @@ def test_evaluating_a_converted_save_prints_no_transformer_engine_or_deprecation
     converted = run_warm([str(REPO / "examples/models/tiny-arith"), str(mcore)], cli_env(), timeout=300,
                          script=REPO / "tools/convert_hf_to_mcore.py")  # fmt: skip
     assert converted.returncode == 0, converted.stderr[-3000:]
+    assert converted.stdout.startswith(f"wrote {mcore}: "), converted.stdout  # one line on success
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", CONVERT_FOR_EVAL, str(mcore), str(tmp_path / "hf")]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
