@@ -193,7 +193,7 @@ def _add_eval_parser(sub) -> None:
     cmd.add_argument(
         "--also-verifier", action="append", default=[], choices=["dapo", "gsm8k"], metavar="RULE",
         help="check the same answers by this rule too (dapo or gsm8k; repeatable): e.g. gsm8k's last number beside "
-             "dapo's strict 'Answer:' form, as FILE:RULE rows",
+             "dapo's strict 'Answer:' form, as FILE:RULE rows (default: none)",
     )  # fmt: skip
     paper = "(default %(default)s: the DAPO paper's AIME evaluation, avg@32 at temperature 1.0, top-p 0.7)"
     cmd.add_argument("--temperature", type=float, default=TrainerConfig.eval_temperature, help=f"sampling {paper}")

@@ -34,6 +34,7 @@ def test_keys_prefix_may_end_inside_a_key_name(capsys):
         "trainer.eval_temperature",
         "trainer.eval_top_p",
         "trainer.eval_max_response_len",
+        "trainer.eval_also_verifiers",
     ]
 
 
