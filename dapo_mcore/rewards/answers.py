@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dapo_mcore.rewards import dapo_rule, gsm8k_rule, synthetic_rule
-from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.latex import last_boxed
 
 
@@ -42,11 +41,12 @@ def answer_extractor(verifier: str) -> Callable[[str], str | None]:
 
 # The rules held-out answers may also be checked by (trainer.eval_also_verifiers, `eval --also-verifier`): pure
 # functions of the answer's last characters, run in the calling process (no worker, no timeout needed).
-ALSO_RULES = ("dapo", "gsm8k")
+_ALSO_CHECKS: dict[str, Callable[[str, str], bool]] = {"dapo": dapo_rule.is_correct, "gsm8k": gsm8k_rule.is_correct}
+ALSO_RULES = tuple(_ALSO_CHECKS)
 
 
 def also_rule(name: str) -> tuple[Callable[[str, str], bool], Callable[[str], str | None]]:
     """(is_correct, extract) of one of ALSO_RULES."""
-    if name not in ALSO_RULES:
+    if name not in _ALSO_CHECKS:
         raise ValueError(f"{name!r} is not one of {ALSO_RULES}")
-    return import_callable(f"dapo_mcore.rewards.{name}_rule:is_correct", what="verifier"), answer_extractor(name)
+    return _ALSO_CHECKS[name], answer_extractor(name)
