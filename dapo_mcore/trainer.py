@@ -355,7 +355,7 @@ def train_phase(run: Run, samples: list[Sample], step: int, timer: PhaseTimer) -
             run.reference.logprobs_into(batches, "ref_logprobs")
     check_mismatch(run.cfg, step + 1, metrics)
     with timer.phase("update"):
-        metrics.update(run.actor.train_step(batches))
+        metrics.update(run.actor.train_step(batches, step + 1))
     return metrics
 
 

@@ -10,7 +10,6 @@ over the whole mini-batch whatever the split.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,11 +54,11 @@ from dapo_mcore.mcore.fused_logprobs import (
     output_weight,
 )
 from dapo_mcore.mcore.logprobs import vocab_parallel_logprobs
-from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay, no_router_losses
+from dapo_mcore.mcore.moe import RouterMetrics, RoutingReplay
 from dapo_mcore.mcore.provider import cpu_offload_problem, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_reduce_sums_and_maxes
-from dapo_mcore.utils.errors import ConfigError
+from dapo_mcore.utils.errors import ConfigError, NonFiniteGradients
 
 _QUANTILES = (0.5, 0.9, 0.99)
 
@@ -280,14 +279,12 @@ class PolicyRunner:
 
     def _forward_step(self, data_iterator, model, forward_only: bool) -> tuple[torch.Tensor, Callable]:
         mb: MicroBatch = next(data_iterator)
-        extra, losses = {}, contextlib.nullcontext()
+        extra = {}
         if self.routing is not None:
             extra["padding_mask"] = self._padding_mask(model, mb)
-            self.routing.set_targets(model, mb.routing, mb.routing_compared)
-            if not mb.real_tokens:  # padding only: the routers' losses would divide by its 0 tokens
-                losses = no_router_losses(self.config)
-        with losses:
-            output = self._forward(model, mb, extra)
+            # padding only: the routers' losses would divide by its 0 tokens (moe.RouterTarget)
+            self.routing.set_targets(model, mb.routing, mb.routing_compared, losses=mb.real_tokens > 0)
+        output = self._forward(model, mb, extra)
         return output, partial(self._logprob_output if forward_only else self._loss, mb)
 
     def _forward(self, model: Any, mb: MicroBatch, extra: dict[str, Any]) -> torch.Tensor:
@@ -424,15 +421,16 @@ class MegatronActor(PolicyRunner):
             routing = self.routing.metrics()
         return {**self._logprob_gap_metrics(batches, step), **routing}
 
-    def train_step(self, batches: StepBatches) -> dict[str, float]:
-        """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank)."""
+    def train_step(self, batches: StepBatches, step: int | None = None) -> dict[str, float]:
+        """One optimizer update per mini-batch; returns the step's actor metrics (same on every rank). `step`
+        (1-based) names the step in errors."""
         if self.router_metrics is None:
-            return self._train_step(batches)
+            return self._train_step(batches, step)
         with self.router_metrics.collecting():
-            metrics = self._train_step(batches)
+            metrics = self._train_step(batches, step)
         return {**metrics, **self.router_metrics.metrics()}
 
-    def _train_step(self, batches: StepBatches) -> dict[str, float]:
+    def _train_step(self, batches: StepBatches, step: int | None) -> dict[str, float]:
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for j, micro in enumerate(batches.mini_batches):
@@ -445,11 +443,39 @@ class MegatronActor(PolicyRunner):
             if sums[1] == 0:  # no loss token left (all masked or guarded): an Adam step would still move
                 skipped += 1
                 continue
+            self._refuse_non_finite_gradients(f"step {step}, update {j + 1}" if step else f"update {j + 1}")
             updated, grad_norm, _ = self.optimizer.step()
             skipped += int(not updated)
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         self.scheduler.step(increment=1)
         return self._actor_metrics(totals, grad_norms, skipped, len(batches.mini_batches))
+
+    def _refuse_non_finite_gradients(self, where: str) -> None:
+        """Before an update: every rank's gradients finite, or the run stops with one line naming the update and
+        the parameters, before Adam writes a NaN weight (Megatron's optimizer steps on a NaN norm without a loss
+        scaler) and the push hands it to the engine. One sum a parameter tensor (no copy of the gradients) and
+        one flag all-reduced over the world a update; the names cross ranks only when a gradient is bad."""
+        named = [
+            (name, p.main_grad)
+            for chunk in self.chunks
+            for name, p in unwrap(chunk).named_parameters()
+            if getattr(p, "main_grad", None) is not None
+        ]
+        finite_P = torch.stack([grad.sum(dtype=torch.float32) for _, grad in named]).isfinite()
+        bad = (~finite_P.all()).to(torch.int32).reshape(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not bad.item():
+            return
+        mine = [name for (name, _), finite in zip(named, finite_P.tolist()) if not finite]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        found = [f"{name} (rank {rank})" for rank, names in enumerate(every) for name in names]
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise NonFiniteGradients(
+            f"{where}: gradients that are not finite (NaN or inf) in {len(found)} parameter tensors, e.g. {shown}; "
+            "stopped before the update, so no such weight was written, pushed or saved (resume from the last save "
+            "after finding the cause: a learning rate, a loss setting, a sample)"
+        )
 
     def compute_gradients(self, samples: list[Sample], indices: list[int]) -> torch.Tensor:
         """Forward/backward of the mini-batch `indices` of `samples` (with their old log-probs set) into the DDP

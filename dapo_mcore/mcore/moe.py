@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,20 +48,6 @@ def _sum_over_ranks(values: torch.Tensor, ctx: ParallelContext, sequence_paralle
     return values.cpu()
 
 
-@contextmanager
-def no_router_losses(config: Any) -> Iterator[None]:
-    """A forward without the routers' load-balancing and z losses: for a micro-batch of padding only (every DP rank
-    runs as many micro-batches, and an empty share runs one). Megatron leaves padding out of both losses by
-    counting the non-padding tokens, and divides by that count: 0 / 0, NaN in every gradient of the step."""
-    saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
-    zero = [0.0] * len(saved[0]) if isinstance(saved[0], list) else 0.0
-    config.moe_aux_loss_coeff, config.moe_z_loss_coeff = zero, None
-    try:
-        yield
-    finally:
-        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
-
-
 def routers_of(chunks: list[Any]) -> list[tuple[int, torch.nn.Module]]:
     """(global layer index, router) of every sparse layer of this rank's chunks."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -80,18 +67,21 @@ class RouterMetrics:
         self.ctx, self.spec = ctx, spec
         self._sequence_parallel = unwrap(chunks[0]).config.sequence_parallel
         self._collecting = False
-        # tokens_LE[l, e]: tokens routed to expert e in layer l; calls_L[l]: router forwards of layer l
+        # tokens_LE[l, e]: tokens routed to expert e in layer l; calls_L[l]: router forwards of layer l that took
+        # the load-balancing loss (the tracker's sum is over those: under full recompute only the recompute
+        # takes it, the first forward running without grad; a padding-only micro-batch takes none)
         self.tokens_LE = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64, device=ctx.device)
         self.calls_L = torch.zeros(spec.num_layers, dtype=torch.float64, device=ctx.device)
         for layer, router in routers_of(chunks):
             router.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
-        def count(_module: torch.nn.Module, _inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        def count(router: torch.nn.Module, _inputs: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             if self._collecting:
                 _probs, routing_map = output
                 self.tokens_LE[layer] += routing_map.sum(dim=0).to(torch.float64)
-                self.calls_L[layer] += 1
+                if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
+                    self.calls_L[layer] += 1
 
         return count
 
@@ -155,20 +145,38 @@ def _same_sets(a_Nk: torch.Tensor, b_Nk: torch.Tensor) -> torch.Tensor:
     return (a_Nk.sort(dim=-1).values == b_Nk.sort(dim=-1).values).all(dim=-1)
 
 
+@dataclass
+class RouterTarget:
+    """What one micro-batch's forward tells each router: the engine's experts of its tokens ([N, k] uint8 as the
+    samples hold them, NO_EXPERT (or a negative id) where unknown; None: no engine routing), where the agreement
+    is counted ([N] bool; None: nowhere), and whether the routers' load-balancing and z losses are taken. They
+    are not for a micro-batch of padding only (every DP rank runs as many micro-batches, and a short share
+    runs padding ones): Megatron leaves padding out of both losses and divides by the count of the rest, 0 / 0,
+    NaN in every gradient of the step. The flag is the micro-batch's (its token count, the same on every TP
+    rank, so every TP rank skips the same TP collective), and it travels with the micro-batch into its
+    activation recompute inside backward, where a flag in the shared config would long since be restored."""
+
+    engine_Nk: torch.Tensor | None = None
+    counted_N: torch.Tensor | None = None
+    losses: bool = True
+
+
 class ReplayedRouting:
-    """One router's replay hook (Megatron's TopKRouter.router_replay; the RouterReplay interface minus its
-    process-wide registry). A target is set per micro-batch forward: ([N, k] engine expert ids, uint8 as the
-    samples hold them, NO_EXPERT (or a negative id) where unknown, or None; [N] bool counted in the
-    agreement). A forward uses the target set last. With activation recompute of the router (`recomputes`),
-    a recompute (inside backward) takes the oldest, in the schedule's backward order (Megatron's
-    REPLAY_BACKWARD rule), so every micro-batch's target waits for its backward; without it only the last
-    target is kept (N x k bytes a layer, not one per micro-batch of the mini-batch)."""
+    """One router's per-micro-batch hook: Megatron's TopKRouter.router_replay (the RouterReplay interface minus
+    its process-wide registry) and the gate of its losses (install_router_hook). A RouterTarget is set per
+    micro-batch forward; each routing call begins by taking one (begin_forward): a forward takes the target set
+    last; with activation recompute of the router (`recomputes`), a recompute (inside backward) takes the
+    oldest, in the schedule's backward order (Megatron's REPLAY_BACKWARD rule), so every micro-batch's target
+    waits for its backward; without it only the last target is kept (N x k bytes a layer, not one per
+    micro-batch of the mini-batch)."""
 
     def __init__(self, layer: int, replay: bool, counts: AgreementCounts, recomputes: bool = True):
         self.layer, self.replay, self.counts, self.recomputes = layer, replay, counts, recomputes
-        self.targets: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.targets: list[RouterTarget] = []
+        self.current = RouterTarget()  # the target of the routing call under way
+        self._recomputing = False
 
-    def set_target(self, target: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def set_target(self, target: RouterTarget) -> None:
         if not self.recomputes:
             self.targets.clear()
         self.targets.append(target)
@@ -176,22 +184,47 @@ class ReplayedRouting:
     def clear(self) -> None:
         self.targets = []
 
+    def begin_forward(self) -> None:
+        """At the start of each routing call: take this forward's target (none set: the router's own ways)."""
+        self._recomputing = torch._C._current_graph_task_id() != -1  # a recompute runs inside backward
+        if not self.targets:
+            self.current = RouterTarget()
+        else:
+            self.current = self.targets.pop(0) if self._recomputing else self.targets[-1]
+
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         own_values, own_Nk = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if not self.targets:
+        if self.current.engine_Nk is None:
             return own_values, own_Nk
-        recomputing = torch._C._current_graph_task_id() != -1  # an activation recompute runs inside backward
-        target = self.targets.pop(0) if recomputing else self.targets[-1]
-        if target is None:
-            return own_values, own_Nk
-        engine_Nk, counted_N = target[0].long(), target[1]
+        engine_Nk, counted_N = self.current.engine_Nk.long(), self.current.counted_N
         known_N = ((engine_Nk >= 0) & (engine_Nk < NO_EXPERT)).all(dim=-1)
         used_Nk = torch.where(known_N[:, None], engine_Nk, own_Nk) if self.replay else own_Nk
-        if not recomputing:
+        if not self._recomputing:
             self.counts.add(self.layer, own_Nk, used_Nk, engine_Nk, counted_N & known_N)
         if not self.replay:
             return own_values, own_Nk
         return scores.gather(1, used_Nk), used_Nk
+
+
+def install_router_hook(router: torch.nn.Module, hook: ReplayedRouting) -> None:
+    """Route `router` (a Megatron-Core TopKRouter, written against 0.16.1's) through `hook`: its replay hook, a
+    routing call that first takes the micro-batch's target, and the losses gated by that target's flag (the
+    router's own methods, shadowed on this instance only: the shared TransformerConfig is never changed)."""
+    if router.get_aux_loss_coeff("global_aux_loss") > 0:  # reduced over DP: a rank alone may not skip it
+        raise ValueError("the global load-balancing loss is not supported (moe_router_load_balancing_type)")
+    router.router_replay = hook
+    routing, aux_loss_enabled, z_loss = router.routing, router.is_aux_loss_enabled, router.apply_z_loss
+
+    def routing_of_micro_batch(logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        hook.begin_forward()
+        return routing(logits, padding_mask=padding_mask)
+
+    def z_loss_of_micro_batch(logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return z_loss(logits, padding_mask=padding_mask) if hook.current.losses else logits
+
+    router.routing = routing_of_micro_batch
+    router.is_aux_loss_enabled = lambda: hook.current.losses and aux_loss_enabled()
+    router.apply_z_loss = z_loss_of_micro_batch
 
 
 class AgreementCounts:
@@ -234,16 +267,18 @@ class RoutingReplay:
         for chunk in chunks:
             hooks = self.hooks.setdefault(id(unwrap(chunk)), [])
             for layer, router in routers_of([chunk]):
-                router.router_replay = ReplayedRouting(layer, replay, self.counts, recomputes)
-                hooks.append(router.router_replay)
+                hooks.append(ReplayedRouting(layer, replay, self.counts, recomputes))
+                install_router_hook(router, hooks[-1])
 
-    def set_targets(self, model: Any, routing_bsLk: torch.Tensor | None, counted_bs: torch.Tensor | None) -> None:
+    def set_targets(
+        self, model: Any, routing_bsLk: torch.Tensor | None, counted_bs: torch.Tensor | None, losses: bool = True
+    ) -> None:
         """Before one micro-batch's forward on `model` (a chunk): each router's target, in its token order
         (sequence-first, this TP rank's share of the sequence under sequence parallelism). counted_bs: where
-        the agreement is counted (None: nowhere)."""
+        the agreement is counted (None: nowhere); losses: whether the routers' losses are taken (RouterTarget)."""
         for hook in self.hooks[id(unwrap(model))]:
             if routing_bsLk is None:
-                hook.set_target(None)
+                hook.set_target(RouterTarget(losses=losses))
                 continue
             engine_sbk = routing_bsLk[:, :, hook.layer].transpose(0, 1)
             if counted_bs is None:
@@ -253,7 +288,7 @@ class RoutingReplay:
                 engine_sbk = engine_sbk.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
                 counted_sb = counted_sb.chunk(self.ctx.tp_size)[self.ctx.tp_rank]
             k = engine_sbk.shape[-1]
-            hook.set_target((engine_sbk.reshape(-1, k), counted_sb.reshape(-1)))  # uint8 until used
+            hook.set_target(RouterTarget(engine_sbk.reshape(-1, k), counted_sb.reshape(-1), losses))  # uint8
 
     def clear(self) -> None:
         """After each schedule run: forward-only runs never pop their targets."""

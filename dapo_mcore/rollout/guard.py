@@ -77,6 +77,12 @@ class GuardedEngine:
             tokens.dim() == 1 and logprobs.shape == tokens.shape,
             f"{len(logprobs)} log-probs for {len(tokens)} tokens in {where}",
         )
+        not_finite = (~torch.isfinite(logprobs)).nonzero().flatten()
+        if len(not_finite):  # a NaN weight pushed into the engine shows here first, before any loss or KL
+            t = int(not_finite[0])
+            self._require(False, f"a log-prob that is not a finite number ({logprobs[t].item()} at token {t} of "
+                          f"{len(tokens)}) in {where}: its weights or its numerics are broken (a NaN or inf weight "
+                          "pushed into it?)")  # fmt: skip
         routed, dropped = self._checked_routing(c.routed_experts, n_input + len(tokens) - 1, where)
         return Completion(tokens, logprobs, c.finish_reason, c.text, routed, dropped or c.routing_dropped)
 

@@ -63,5 +63,12 @@ class MismatchError(DapoError):
     exit_code = ENGINE_EXIT_CODE
 
 
+class NonFiniteGradients(DapoError):
+    """A backward gave a NaN or infinite gradient: the update is not made (Adam would write NaN weights, and the
+    push would hand them to the engine). Every rank agrees on it before any rank steps. Exit 2: a run that would
+    diverge again from its last save needs a person (a learning rate, a loss setting, a bad sample), not a
+    requeue."""
+
+
 class RunLockError(DapoError):
     """Another live run holds the run directory."""

@@ -43,6 +43,8 @@ RUNS = [  # (processes, layout): the first of each data-parallel size is the ref
 
 # Varied lengths under a 64-token budget: DP rank 0's share packs into 3 micro-batches, rank 1's into 4.
 BUDGET = {**GRADS, "varied_samples": True, "max_tokens": 64}
+# EP 2 under that budget, padded rows then packed ones, without and with full recompute (the 30B-A3B recipe's)
+BOTH_PATHS = {**BUDGET, "ep": 2, "packing": "off,mask"}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,8 @@ def moe(tmp_path_factory) -> Layouts:
         (layouts, 2, {**GRADS, "ep": 2}),
         (layouts, 2, BUDGET),
         (layouts, 2, {**BUDGET, "ep": 2}),
+        (layouts, 2, BOTH_PATHS),
+        (layouts, 2, {**BOTH_PATHS, "recompute": "full"}),
     ]
     prefetch([(layouts, nproc, layout) for nproc, layout in RUNS] + grads)
     return layouts
@@ -91,6 +95,17 @@ def test_expert_parallel_with_a_token_budget_runs_as_many_micro_batches_on_every
     are those of the experts on every rank."""
     run = "token-mean/4/64"
     assert_same(moe.run(2, **BUDGET, ep=2), moe.run(2, **BUDGET), run=run, reference_run=run)
+
+
+def test_full_recompute_of_a_padding_micro_batch_gives_the_gradients_of_no_recompute(moe):
+    """The short DP rank's extra micro-batch is padding only, whose routers' losses would divide by its 0 tokens.
+    They were turned off by changing the shared config around its forward; full recompute runs the layers again
+    inside backward, after the change was undone: 0 / 0, NaN in most gradients of the 30B-A3B recipe's first
+    step. The flag now travels with the micro-batch into its recompute. Padded rows and packed rows alike."""
+    recomputed, reference = moe.run(2, **BOTH_PATHS, recompute="full"), moe.run(2, **BOTH_PATHS)
+    for run in ("token-mean/4/64", "token-mean/4/64/mask"):
+        assert all(torch.isfinite(g).all() for g in recomputed["runs"][run]["grads"].values()), run
+        assert_same(recomputed, reference, run=run, reference_run=run)
 
 
 def test_expert_parallel_with_the_distributed_optimizer(moe):

@@ -160,6 +160,16 @@ def test_an_answer_one_log_prob_short_stops_the_run_naming_it():
         engine.generate([[1, 2]], SamplingParams(n=2))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_log_prob_that_is_not_finite_stops_the_run_naming_the_answer_and_token(bad):
+    """A NaN weight pushed into the engine shows first in its log-probs: stopped as they arrive, before a loss,
+    the mismatch guard's KL or a verifier sees them."""
+    engine = guarded(Completion([5, 6], [-0.5, -1.0], "stop", "x"), Completion([5, 6, 7], [-0.5, bad, -1], "stop", "y"))
+    with pytest.raises(EngineError, match=rf"'fake' returned a log-prob that is not a finite number \({bad} at token 1 "
+                       r"of 3\) in answer 1 of prompt 0"):  # fmt: skip
+        engine.generate([[1, 2]], SamplingParams(n=2))
+
+
 def test_routing_whose_rows_do_not_match_the_tokens_is_dropped_counted_and_logged_once(caplog):
     """Routing replay would raise on it hours into a run (one odd sample: an n > 1 child, a stop string cut):
     the sample keeps its tokens, its routers choose for it, and rollout/routing_dropped counts it."""

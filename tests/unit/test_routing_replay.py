@@ -18,7 +18,7 @@ from dapo_mcore.config import load_config
 from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
 from dapo_mcore.data.types import NO_EXPERT, Sample
 from dapo_mcore.mcore.actor import build_actor
-from dapo_mcore.mcore.moe import AgreementCounts, ReplayedRouting
+from dapo_mcore.mcore.moe import AgreementCounts, ReplayedRouting, RouterTarget
 from dapo_mcore.parallel import destroy_parallel, init_parallel
 from dapo_mcore.rollout.base import EngineSettings, SamplingParams
 from dapo_mcore.rollout.hf_engine import HFEngine
@@ -189,7 +189,7 @@ def test_without_recompute_a_router_keeps_only_the_target_of_the_forward_it_serv
 
             def recording(target, hook=hook, set_target=hook.set_target):
                 set_target(target)
-                held.append((len(hook.targets), hook.targets[-1][0].dtype))
+                held.append((len(hook.targets), hook.targets[-1].engine_Nk.dtype))
 
             hook.set_target = recording
     actor.compute_gradients(samples, MINI_BATCHES[0])
@@ -205,12 +205,13 @@ def test_a_forward_replays_the_newest_targets_and_a_recompute_inside_backward_th
     scores = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
 
     def route() -> list[list[int]]:
+        hook.begin_forward()  # as each routing call does (install_router_hook)
         _probs, ids = hook.get_replay_topk(scores, 2, default_compute_topk=lambda s, k, **_: torch.topk(s, k, dim=1))
         return ids.tolist()
 
     counted = torch.ones(1, dtype=torch.bool)
-    hook.set_target((first, counted))
-    hook.set_target((second, counted))
+    hook.set_target(RouterTarget(first, counted))
+    hook.set_target(RouterTarget(second, counted))
     assert route() == [[2, 3]]
     recomputed = []
 
@@ -226,8 +227,8 @@ def test_a_forward_replays_the_newest_targets_and_a_recompute_inside_backward_th
 
     x = torch.zeros(1, requires_grad=True)
     Recompute.apply(x).sum().backward()
-    assert recomputed == [[[0, 1]]] and [t[0].tolist() for t in hook.targets] == [[[2, 3]]]
-    hook.set_target((unknown, counted))  # no engine routing for the token: the router's own choice
+    assert recomputed == [[[0, 1]]] and [t.engine_Nk.tolist() for t in hook.targets] == [[[2, 3]]]
+    hook.set_target(RouterTarget(unknown, counted))  # no engine routing for the token: the router's own choice
     assert route() == [[3, 2]]
 
 

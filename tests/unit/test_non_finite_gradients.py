@@ -1,0 +1,53 @@
+"""A non-finite gradient stops the run before its update: Megatron's optimizer (no loss scaler in fp32/bf16)
+steps on a NaN norm and writes NaN weights, which the push hands to the engine (issue 60: the MoE recipe's
+first step under full recompute did exactly that, and only step 2's mismatch guard stopped it)."""
+
+import math
+
+import pytest
+import torch
+
+from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
+from dapo_mcore.config import load_config
+from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
+from dapo_mcore.mcore.actor import build_actor
+from dapo_mcore.mcore.sharding import unwrap
+from dapo_mcore.parallel import destroy_parallel, init_parallel
+from dapo_mcore.utils.errors import NonFiniteGradients
+from tests.helpers import random_samples, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def actor(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("model"), "llama")
+    destroy_parallel()
+    ctx = init_parallel(1, 1, "cpu")
+    cfg = load_config(None, [f"model.hf_path={model}", "parallel.device=cpu", "model.dtype=float32"])
+    spec = read_model_spec(load_hf_config(str(model)))
+    chunks, _ = load_policy_chunks(cfg, ctx, spec)
+    yield build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
+    destroy_parallel()
+
+
+def weights(actor) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in actor.chunks for p in chunk.parameters()]
+
+
+@pytest.mark.parametrize("planted", [math.nan, math.inf])
+def test_a_planted_non_finite_gradient_stops_the_step_before_its_update_naming_the_parameter(actor, planted):
+    named = dict(unwrap(actor.chunks[0]).named_parameters())
+    name = next(n for n in named if "layers.1." in n and n.endswith("linear_fc2.weight"))
+    hook = named[name].register_hook(lambda grad: grad * planted)
+    before = weights(actor)
+    try:
+        with pytest.raises(NonFiniteGradients) as raised:
+            actor.train_step(actor.prepare(random_samples(4), [list(range(4))]), step=7)
+    finally:
+        hook.remove()
+    message = str(raised.value)
+    assert message.startswith("step 7, update 1: gradients that are not finite (NaN or inf) in 1 parameter tensors")
+    assert f"e.g. {name} (rank 0)" in message and "\n" not in message
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(actor)))  # no weight written
+    metrics = actor.train_step(actor.prepare(random_samples(4), [list(range(4))]), step=8)  # and a clean one steps
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/updates"] == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, weights(actor)))
