@@ -184,7 +184,7 @@ class PolicyRunner:
         if self.settings.packing != "off":
             return self._packed_micro_batches(samples, indices)
         ctx, settings = self.ctx, self.settings
-        n_micro = 0  # the micro-batches every DP rank runs
+        n_most = 0  # the most micro-batches of any DP rank
         if settings.max_tokens_per_micro_batch:
             lengths = [sample_tokens(s) for s in samples]
             budget = settings.max_tokens_per_micro_batch
@@ -192,11 +192,9 @@ class PolicyRunner:
                 token_budget_micro_batches(share, lengths, budget, self._multiple)
                 for share in self.dp_split.shares(indices, lengths)
             ]
-            # Each DP rank packs its own share, so the counts differ (21 against 22 at the 30B-A3B recipe's
-            # shape); expert parallelism runs collectives per micro-batch across DP ranks, and a rank with one
-            # more would wait in an all-to-all no partner joins. Every rank runs the largest count, which each
-            # computes from the shares all ranks know.
-            n_micro = max(map(len, by_rank))
+            # each DP rank packs its own share, so the counts differ (21 against 22 at the 30B-A3B recipe's
+            # shape), and every rank knows them all from the shares
+            n_most = max(map(len, by_rank))
             plans = [(rows, round_up(lengths[rows[0]], self._multiple)) for rows in by_rank[ctx.dp_rank]]
             if ctx.pp_size > 1:
                 plans = _one_shape(plans)
@@ -205,11 +203,9 @@ class PolicyRunner:
                 (rows, seq_len)
                 for rows in split_for_data_parallel(indices, ctx.dp_size, ctx.dp_rank, settings.micro_batch_size)
             ]
-        # An empty share still runs the schedule (it takes part in the collectives); the interleaved schedule
-        # needs whole groups of pp micro-batches. Padding rows carry no loss.
-        n_padding = self._n_padding_micro_batches(max(len(plans), n_micro)) + max(n_micro - len(plans), 0)
+        n_padding = self._micro_batch_count(len(plans), n_most) - len(plans)
         pad_rows = [-1] * (len(plans[0][0]) if plans and not settings.max_tokens_per_micro_batch else 1)
-        plans += [(pad_rows, plans[0][1] if plans else self._multiple)] * n_padding
+        plans += [(pad_rows, self._padding_length(plans[0][1] if plans else self._multiple))] * n_padding
         return [
             build_micro_batch([samples[i] if i >= 0 else None for i in rows], rows, length, settings.pad_id).to(
                 ctx.device
@@ -219,7 +215,7 @@ class PolicyRunner:
 
     def _packed_micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
         """Packed rows: with a token budget one row of at most that many tokens per micro-batch, else
-        micro_batch_size rows as long as the longest sample. Same count and shape on every DP rank."""
+        micro_batch_size rows as long as the longest sample. The count: _micro_batch_count."""
         ctx, settings = self.ctx, self.settings
         budget = settings.max_tokens_per_micro_batch
         plan = plan_packed(
@@ -231,18 +227,32 @@ class PolicyRunner:
             budget=budget,
             multiple=self._multiple,
         )
-        empty = [[] for _ in plan.micro_batches[0]]
-        micro = plan.micro_batches + [empty] * self._n_padding_micro_batches(len(plan.micro_batches))
-        built = [build_packed_micro_batch(samples, rows, plan.row_len, settings.pad_id) for rows in micro]
+        # plan_packed deals every rank as many micro-batches, of empty rows where its share ran out
+        mine = [rows for rows in plan.micro_batches if any(rows)]
+        n_padding = self._micro_batch_count(len(mine), len(plan.micro_batches)) - len(mine)
+        pad_rows = [[] for _ in plan.micro_batches[0]] if ctx.pp_size > 1 else [[]]
+        plans = [(rows, plan.row_len) for rows in mine] + [(pad_rows, self._padding_length(plan.row_len))] * n_padding
+        built = [build_packed_micro_batch(samples, rows, length, settings.pad_id) for rows, length in plans]
         if settings.packing == "thd":
             built = [_one_row(mb) for mb in built]
         return [mb.to(ctx.device) for mb in built]
 
-    def _n_padding_micro_batches(self, n_micro: int) -> int:
-        n_padding = max(1 - n_micro, 0)
+    def _micro_batch_count(self, n_mine: int, n_most: int) -> int:
+        """How many micro-batches this rank runs, given its own and the most of any DP rank: at least one (an
+        empty share still joins the schedule's collectives); under expert parallelism the most (an all-to-all
+        a micro-batch across the DP ranks: a rank with one fewer would leave its partners waiting in one, as the
+        30B-A3B recipe hung), else its own (dense layers reduce over DP once, after the schedule); whole groups
+        of pp under the interleaved schedule. The rest of the count is padding micro-batches, without loss."""
+        n = max(n_most if self.ctx.ep_size > 1 else n_mine, 1)
         if self.ctx.vpp_size > 1:
-            n_padding = -(n_micro + n_padding) % self.ctx.pp_size + n_padding
-        return n_padding
+            n += -n % self.ctx.pp_size
+        return n
+
+    def _padding_length(self, common_length: int) -> int:
+        """A padding micro-batch's row length: one granule where it may be short (it was as long as the rank's
+        longest row, up to 22.5k tokens of compute for nothing), the common one where pipeline stages send fixed
+        shapes."""
+        return common_length if self.ctx.pp_size > 1 else self._multiple
 
     def _run_schedule(self, micro: list[MicroBatch], forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -48,7 +48,11 @@ class RehearsalCompute(EveryMicroBatch):
     def computed(self, mini_batch: int, micro: list[MicroBatch]) -> list[int]:
         if mini_batch > 0:
             return []
-        shortest = sorted(range(len(micro)), key=lambda i: (micro[i].tokens.shape[1], micro[i].tokens.numel(), i))
+        # real ones first: a padding micro-batch (expert parallelism) is the shortest, and computes nothing real
+        shortest = sorted(
+            range(len(micro)),
+            key=lambda i: (not micro[i].real_tokens, micro[i].tokens.shape[1], micro[i].tokens.numel(), i),
+        )
         return sorted(shortest[: self.micro_batches])
 
     def cut(self, mb: MicroBatch) -> MicroBatch:

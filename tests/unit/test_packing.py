@@ -96,3 +96,26 @@ def test_packing_is_on_with_the_local_spec_and_off_with_te_unless_asked():
 
     assert packing_mode("auto", use_te=False) == "mask" and packing_mode("auto", use_te=True) == "off"
     assert packing_mode("on", use_te=True) == "thd" and packing_mode("off", use_te=False) == "off"
+
+
+@pytest.mark.parametrize(
+    ("ep", "pp", "vpp", "mine", "most", "runs", "pad_len"),
+    [
+        (1, 1, 1, 3, 4, 3, 8),  # dense: its own count (DP reduces once, after the schedule)
+        (1, 1, 1, 0, 4, 1, 8),  # an empty share still joins the schedule
+        (2, 1, 1, 3, 4, 4, 8),  # expert parallelism: an all-to-all a micro-batch across DP ranks
+        (2, 2, 1, 3, 4, 4, 640),  # pipeline stages send one shape: padding as long as the rest
+        (1, 2, 2, 3, 4, 4, 640),  # the interleaved schedule: whole groups of pp
+    ],
+)
+def test_the_one_rule_for_micro_batch_counts_and_padding(ep, pp, vpp, mine, most, runs, pad_len):
+    """How many micro-batches a DP rank runs and how long a padding one is, for padded and packed rows alike
+    (mcore/actor.py): the padding micro-batch was as long as the rank's longest row (up to 22.5k tokens at the
+    recipes' shape) and dense ranks ran one too."""
+    from types import SimpleNamespace
+
+    from dapo_mcore.mcore.actor import PolicyRunner
+
+    runner = SimpleNamespace(ctx=SimpleNamespace(ep_size=ep, pp_size=pp, vpp_size=vpp), _multiple=8)
+    assert PolicyRunner._micro_batch_count(runner, mine, most) == runs
+    assert PolicyRunner._padding_length(runner, 640) == pad_len
