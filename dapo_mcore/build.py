@@ -37,6 +37,7 @@ from dapo_mcore.mcore.actor import (
     build_reference,
     packing_mode,
 )
+from dapo_mcore.mcore.cpu_adam import use_task_cpus
 from dapo_mcore.mcore.provider import (
     build_gpt_chunks,
     build_transformer_config,
@@ -279,6 +280,8 @@ def build_policies(
     """The actor (with DDP and its optimizer) and, with a KL penalty, the frozen reference policy."""
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
+    if cfg.optimizer.cpu_offload:  # its Adam steps on the host: on the task's CPUs, not OMP_NUM_THREADS' one
+        use_task_cpus(actor.optimizer)
     reference = None
     if cfg.algorithm.kl.beta > 0.0:  # the paper has no KL term: then no reference model is built or run
         reference = build_reference(ctx, spec, load_policy_chunks(cfg, ctx, spec)[0], settings)

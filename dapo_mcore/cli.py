@@ -230,7 +230,12 @@ def _add_eval_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
-    from dapo_mcore.plan_time import DEFAULT_KEEP_RATE, DEFAULT_MEAN_LEN, DEFAULT_MFU  # plain arithmetic, no torch
+    from dapo_mcore.plan_time import (  # plain arithmetic, no torch
+        DEFAULT_CPU_THREADS,
+        DEFAULT_KEEP_RATE,
+        DEFAULT_MEAN_LEN,
+        DEFAULT_MFU,
+    )
 
     cmd = _command_parser(
         sub.add_parser, "plan", help="per-GPU memory of actor and engine for a config (no GPU needed)"
@@ -247,6 +252,9 @@ def _add_plan_parser(sub) -> None:
                      help=f"share of groups dynamic sampling keeps (default {DEFAULT_KEEP_RATE})")  # fmt: skip
     cmd.add_argument("--mfu", type=_share, default=DEFAULT_MFU,
                      help=f"the actor's model FLOPs utilisation (default {DEFAULT_MFU})")  # fmt: skip
+    cmd.add_argument("--cpu-threads", type=_count, default=DEFAULT_CPU_THREADS,
+                     help="CPUs of a task, on which optimizer.cpu_offload's Adam steps (default "
+                     f"{DEFAULT_CPU_THREADS}: slurm/train.sbatch's --cpus-per-task)")  # fmt: skip
     cmd.set_defaults(func=_plan)
 
 
@@ -384,7 +392,7 @@ def _installed_version() -> str:
 def _plan(args: argparse.Namespace) -> int:
     from dapo_mcore.plan import Assumed, plan_command
 
-    assumed = Assumed(mean_len=args.mean_len, keep_rate=args.keep_rate, mfu=args.mfu)
+    assumed = Assumed(mean_len=args.mean_len, keep_rate=args.keep_rate, mfu=args.mfu, cpu_threads=args.cpu_threads)
     return plan_command(args.config, args.overrides, args.gpu_gb, args.model_config, args.gpus, assumed)
 
 

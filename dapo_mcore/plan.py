@@ -52,6 +52,7 @@ from typing import Any, Literal
 from dapo_mcore.config import RunConfig, load_config, parse_override
 from dapo_mcore.config.model_spec import read_config_json, read_model_spec
 from dapo_mcore.plan_time import (
+    DEFAULT_CPU_THREADS,
     DEFAULT_KEEP_RATE,
     DEFAULT_MEAN_LEN,
     DEFAULT_MFU,
@@ -309,6 +310,7 @@ class Assumed:
     mean_len: int = DEFAULT_MEAN_LEN
     keep_rate: float = DEFAULT_KEEP_RATE
     mfu: float = DEFAULT_MFU
+    cpu_threads: int = DEFAULT_CPU_THREADS  # a task's CPUs, for the CPU Adam of optimizer.cpu_offload
 
 
 def plan_memory(
@@ -334,7 +336,7 @@ def _step_time(
     inactive = shape.moe_layers * shape.expert_params(1, 1) * (1 - shape.topk / max(shape.experts, 1))
     keep = assumed.keep_rate if cfg.algorithm.dynamic_sampling.enabled else 1.0
     step = StepShape(
-        answers=ro.prompts_per_step * ro.n_samples_per_prompt,
+        answers=step_answers(cfg),
         mean_prompt=_tokens(cfg, shape, lay).prompt / 2,
         mean_len=min(assumed.mean_len, ro.sampling.max_response_len),
         keep_rate=keep,
@@ -348,8 +350,24 @@ def _step_time(
         gpus=gpus,
         gpu_gb=gpu_gb,
         mfu=assumed.mfu,
+        updates=-(-step_answers(cfg) // cfg.trainer.mini_batch_size),
+        host_params=_host_params(cfg, shape, lay),
+        cpu_threads=assumed.cpu_threads,
     )  # fmt: skip
     return estimate(step)
+
+
+def step_answers(cfg: RunConfig) -> int:
+    return cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+
+
+def _host_params(cfg: RunConfig, shape: ModelShape, lay: _Layout) -> float:
+    """Parameters whose Adam step a rank runs on the host: offload_fraction of its optimizer shard (the larger
+    of the first and last pipeline stage's, as the memory plan takes the larger)."""
+    if not cfg.optimizer.cpu_offload:
+        return 0.0
+    shard = max(_optimizer_shard(cfg, shape, lay, rank)[0] for rank in {0, lay.pp - 1})
+    return shard * cfg.optimizer.offload_fraction
 
 
 def default_gpus() -> int:
