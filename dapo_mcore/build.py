@@ -38,6 +38,7 @@ from dapo_mcore.mcore.actor import (
     packing_mode,
 )
 from dapo_mcore.mcore.cpu_adam import use_task_cpus
+from dapo_mcore.mcore.mcore_compat import check_version as check_megatron_core_version
 from dapo_mcore.mcore.provider import (
     build_gpt_chunks,
     build_transformer_config,
@@ -278,6 +279,7 @@ def build_policies(
     cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, settings: ActorSettings
 ) -> tuple[MegatronActor, PolicyRunner | None, LlamaFamilyMap]:
     """The actor (with DDP and its optimizer) and, with a KL penalty, the frozen reference policy."""
+    check_megatron_core_version()
     chunks, family = load_policy_chunks(cfg, ctx, spec)
     actor = build_actor(ctx, spec, chunks, optimizer_settings(cfg), settings)
     if cfg.optimizer.cpu_offload:  # its Adam steps on the host: on the task's CPUs, not OMP_NUM_THREADS' one

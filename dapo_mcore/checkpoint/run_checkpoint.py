@@ -61,6 +61,7 @@ from dapo_mcore.checkpoint.writer_processes import (
     writer_results_queue_dies_with_us,
 )
 from dapo_mcore.config.model_spec import ModelSpec
+from dapo_mcore.mcore.mcore_compat import sync_offloaded_optimizer_after_load
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, broadcast_object, on_rank0
 from dapo_mcore.utils.errors import CheckpointError
@@ -447,6 +448,7 @@ class CheckpointManager:
         # no_grad: Megatron-Core 0.16.1 copies dp_reshardable state into the leaf master params with autograd on
         with adam_step_fixed(actor.optimizer), torch.no_grad():
             actor.optimizer.load_state_dict(loaded["optimizer"])
+        sync_offloaded_optimizer_after_load(actor.optimizer)  # optimizer.cpu_offload: the CPU Adam's own copies
         # Megatron's load_state_dict *adds* the saved step count to the current one (ours starts at 1)
         actor.scheduler.num_steps = 0
         actor.scheduler.load_state_dict(common["scheduler"])
