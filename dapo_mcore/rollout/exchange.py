@@ -10,10 +10,12 @@ Tokens move once, for the chosen groups only, and each sample only to the ranks 
 rank the actor deals it to (data/batching.py DataParallelSplit, a function of the step's lengths, which every rank
 knows from the summaries), and every rank of that DP rank's model-parallel group. Groups carried to the next step go
 to every rank (each rank saves them); partial rollout's unfinished groups never move: the replica that began one
-continues it (rollout/pending.py). One all-to-all over host memory (the gloo wait group) carries them: from each
-replica, one of its ranks sends each receiver exactly what it takes (its ranks take turns by receiver, so a
-replica's engine-TP ranks, which hold the same groups, send each byte once), and the summaries give every rank every
-message's exact size, so there is no size exchange, no padding and no device memory while the engine holds the GPU.
+continues it (rollout/pending.py). One all-to-all over host memory (the gloo wait group) carries them: each group
+is sent by one rank of its replica (its engine-TP ranks take turns by group, so each byte is sent once), each
+receiver getting exactly what it takes, and the summaries give every rank every message's exact size, so there is no
+size exchange, no padding and no device memory while the engine holds the GPU. A replica's engine-TP ranks all
+generate the same groups; each keeps the routing (layers x top-k bytes a token, most of a group's bytes with
+routing replay) of the groups it sends only (keep_routing_to_send): 1/engine-TP of the round's, not all of it.
 A message holds, for its groups in order, each prompt once and the chosen responses' token ids, then their log-probs
 (float32 bits), then their routing (uint8, four to a word), in one int32 tensor; the samples built from it hold
 views of it. A sample another rank trains keeps its metadata and only the count of its tokens (data/types.py
@@ -121,9 +123,10 @@ class ExchangeRanks:
     def world_size(self) -> int:
         return len(self.dp_rank_of)
 
-    def sender(self, replica: int, receiver: int) -> int:
-        """The rank of `replica` that sends to `receiver`: the replica's ranks take turns by receiver."""
-        return replica * self.engine_tp_size + receiver % self.engine_tp_size
+    def sender(self, replica: int, key: tuple[int, int]) -> int:
+        """The rank of `replica` that sends the group `key` (round, position) to every receiver: the replica's
+        ranks take turns by group, so each keeps the routing of its own groups only."""
+        return replica * self.engine_tp_size + sum(key) % self.engine_tp_size
 
     def takes(self, receiver: int, trainer: int) -> bool:
         return trainer == EVERY_RANK or self.dp_rank_of[receiver] == trainer
@@ -165,12 +168,22 @@ def _parts(
     `sender`, in wanted order (empty parts, of groups it takes nothing of, left out)."""
     parts = []
     for index, (g, group_trainers) in enumerate(zip(wanted, trainers)):
-        if ranks.sender(g.owner, receiver) != sender:
+        if ranks.sender(g.owner, g.key) != sender:
             continue
         chosen = tuple(i for i, t in enumerate(group_trainers) if ranks.takes(receiver, t))
         if chosen:
             parts.append(_Part(g, index, chosen))
     return parts
+
+
+def keep_routing_to_send(groups: dict[tuple[int, int], Group], replica: int, ranks: ExchangeRanks) -> None:
+    """Drop the routing of the groups (this replica's, by key) that another rank of the replica sends: at the
+    30B-A3B recipe's round (12,288 answers x 8k tokens x 384 B) every engine-TP rank held 39 GB of it, 310 GB a
+    node. After the round's summaries are made: they describe the routing whoever sends it."""
+    for key, group in groups.items():
+        if ranks.sender(replica, key) != ranks.rank:
+            for sample in group.samples:
+                sample.routed_experts = None
 
 
 def fetch_groups(

@@ -31,7 +31,15 @@ from dapo_mcore.data.types import Group, Prompt, Sample, group_to_dict, token_te
 from dapo_mcore.rewards.pool import Verdict
 from dapo_mcore.rollout.agreement import AgreedVerify, Board, LocalBoard, ReplicaRole, RoundControl
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
-from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, GroupSummary, Transport, fetch_groups, summarize
+from dapo_mcore.rollout.exchange import (
+    EVERY_RANK,
+    ExchangeRanks,
+    GroupSummary,
+    Transport,
+    fetch_groups,
+    keep_routing_to_send,
+    summarize,
+)
 from dapo_mcore.rollout.partial import (
     QuotaStopper,
     RoundStats,
@@ -204,11 +212,13 @@ class RolloutSampler:
             self.scoring.score(groups)
         keys = [(round_idx, i) for i in range(len(groups))]
         keep = self.scoring.keep_mask(groups)
-        self._local.update((key, g) for key, g, kept in zip(keys, groups, keep) if kept)  # only these may move
+        kept_groups = {key: g for key, g, kept in zip(keys, groups, keep) if kept}  # only these may move
+        summaries = [summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)]
+        keep_routing_to_send(kept_groups, self.replica, self._ranks)
+        self._local.update(kept_groups)
+        del groups  # the unkept ones, with their tokens and routing, go now (most of a 3x round)
         with phase_scope("summaries"):  # every replica's groups of the round, as metadata (no tokens)
-            gathered = self.all_gather(
-                [summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)]
-            )
+            gathered = self.all_gather(summaries)
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
         return self.split.in_order(self.split.per_replica(gathered), len(prompts))
 
@@ -249,8 +259,10 @@ class RolloutSampler:
         late_keep = self.scoring.keep_mask([groups[i] for i in unjudged])
         keep = stopper.kept | {i for i, kept in zip(unjudged, late_keep) if kept}
         keys = [(round_idx, i) for i in range(len(groups))]
-        self._local.update((keys[i], groups[i]) for i in keep)  # only these may move
         mine_summaries = [summarize(g, i in keep, self.replica, key) for i, (g, key) in enumerate(zip(groups, keys))]
+        kept_groups = {keys[i]: groups[i] for i in keep}  # only these may move
+        keep_routing_to_send(kept_groups, self.replica, self._ranks)
+        self._local.update(kept_groups)
         with phase_scope("summaries"):
             gathered = self.all_gather((mine_summaries, RoundStats.of(requests, completions)))
         if self.rank == 0:  # every replica has left the round

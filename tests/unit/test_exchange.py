@@ -18,7 +18,7 @@ from dapo_mcore.data.datasets import PromptStream
 from dapo_mcore.data.types import NO_EXPERT, Group, NotHere, Prompt, Sample, group_to_dict
 from dapo_mcore.rewards.pool import VerifierPool
 from dapo_mcore.rollout.agreement import LocalBoard
-from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, fetch_groups, summarize
+from dapo_mcore.rollout.exchange import EVERY_RANK, ExchangeRanks, fetch_groups, keep_routing_to_send, summarize
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings
 from dapo_mcore.utils.timers import PhaseTimer
 from tests.helpers import FakeTokenizer, ScriptedEngine, group_as_lists
@@ -245,6 +245,48 @@ def test_routing_goes_only_to_the_ranks_that_train_its_sample():
         routing_bytes = sum(samples[i].routed_experts.numel() for i in trained)
         tokens = 2 + sum(2 * len(samples[i].response_ids) for i in trained)
         assert world.received_words[rank] == tokens + -(-routing_bytes // 4)
+
+
+def test_each_engine_tp_rank_keeps_the_routing_of_the_groups_it_sends_only():
+    """A replica's engine-TP ranks generate the same groups; each kept the whole round's routing (39 GB a rank at
+    the 30B-A3B recipe's round). Now each keeps that of the groups it sends, and every trainer still gets all of
+    its samples' routing."""
+    rows = lambda n, v: torch.full((n + 1, 4, 2), v, dtype=torch.uint8)  # noqa: E731 - prompt 2 + response n - 1
+
+    def round_groups():  # what each engine-TP rank of the replica generated: the same groups
+        return {
+            (0, g): Group(
+                Prompt(f"p{g}", "1"),
+                [Sample([1, 2], [3] * n, [-1.0] * n, "stop", routed_experts=rows(n, g)) for n in (3, 5)],
+            )  # fmt: skip
+            for g in range(4)
+        }
+
+    held = [round_groups(), round_groups()]
+    summaries = [summarize(g, True, 0, key) for key, g in held[0].items()]
+    for rank in (0, 1):
+        keep_routing_to_send(held[rank], 0, ExchangeRanks(rank, engine_tp_size=2, dp_rank_of=(0, 1)))
+    with_routing = [
+        [key for key, g in held[rank].items() if g.samples[0].routed_experts is not None] for rank in (0, 1)
+    ]
+    assert with_routing == [[(0, 0), (0, 2)], [(0, 1), (0, 3)]]
+    trainers = [[0, 1]] * 4  # each group's first answer to DP rank 0, its second to DP rank 1
+    world, results = ThreadWorld(2), [None, None]
+
+    def rank_main(rank):
+        ranks = ExchangeRanks(rank, engine_tp_size=2, dp_rank_of=(0, 1))
+        results[rank] = fetch_groups(
+            summaries, trainers, held[rank], ranks, lambda s, a, b: world.all_to_all(rank, s, a, b)
+        )
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in (0, 1):
+        for g, group in enumerate(results[rank]):
+            assert torch.equal(group.samples[rank].routed_experts, rows(len(group.samples[rank].response_ids), g))
 
 
 def test_a_sample_whose_log_probs_do_not_match_its_tokens_is_not_sent():
