@@ -105,3 +105,16 @@ def test_a_share_the_gpu_cannot_give_at_engine_start_fails_the_plan(tmp_path):
     assert "engine start: asks 79.2 GiB free" in text and "SHORT by 0.7 GiB" in text
     assert "the engine would be refused at start" in text
     assert any("gpu_memory_utilization=0.89" in s.change for s in plan.suggestions)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_recipes_sbatch_line_gives_the_job_its_time_and_the_save_signal(recipe):
+    """slurm/train.sbatch's own --time is 4 hours: about two steps of these recipes at an 8k mean answer
+    (`dapo-mcore plan`: 1.4-2.1 h a step), spent mostly on start-up and saves. The line a user copies says it."""
+    import re
+
+    header = (REPO / "examples" / recipe).read_text().split("\nname:")[0]
+    line = re.search(r"sbatch (.*)slurm/train\.sbatch", header).group(1)
+    hours = re.search(r"--time=(\d+):\d\d:\d\d", line)
+    assert hours and int(hours.group(1)) >= 12, line
+    assert re.search(r"--signal=B:USR1@\d+", line), line
