@@ -415,7 +415,9 @@ def returns_routing(cfg: RunConfig, spec: ModelSpec) -> bool:
 
 
 def _engine_device(cfg: RunConfig) -> str:
-    return resolve_device(cfg.parallel.device).type
+    """The device type the run asks for: "cuda" as written (`check` runs on a login node, without a GPU), "auto"
+    as this machine resolves it."""
+    return cfg.parallel.device if cfg.parallel.device != "auto" else resolve_device("auto").type
 
 
 def engine_settings(cfg: RunConfig, ctx: ParallelContext, routing: bool = False) -> EngineSettings:

@@ -237,12 +237,13 @@ def test_replay_is_refused_in_one_line_where_it_cannot_run(models, tmp_path):
     from dapo_mcore.rollout.base import RoutingUnavailable
     from dapo_mcore.rollout.vllm_engine import _llm_kwargs
 
-    def check(model_dir, engine):
-        cfg = load_config(None, [f"model.hf_path={model_dir}", f"rollout.engine={engine}", "parallel.device=cpu"])
+    def check(model_dir, engine, device="cpu"):
+        cfg = load_config(None, [f"model.hf_path={model_dir}", f"rollout.engine={engine}", f"parallel.device={device}"])
         cfg.model.routing_replay = "rollout"
         check_routing_replay(cfg, read_model_spec(load_hf_config(str(model_dir))))
 
     check(models[0], "hf")
+    check(models[0], "vllm", device="cuda")  # `check` of a GPU run on a login node without one: no device needed
     with pytest.raises(ConfigError, match="has no experts to route"):
         check(save_tiny_model(tmp_path, "qwen3"), "hf")
     with pytest.raises(ConfigError, match="vLLM's CPU build cannot return routed experts"):
