@@ -34,6 +34,7 @@ from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import die_with_parent
+from dapo_mcore.utils.progress import note
 
 log = get_logger(__name__)
 
@@ -160,7 +161,7 @@ class VerifierPool:
         self.startup_timeout_s, self.batch_timeout_s = startup_timeout_s, batch_timeout_s
         self.timeout_per_answer_s = timeout_per_answer_s
         self.max_workers = host_workers() if workers == AUTO else workers
-        self._cost_said = False
+        self._cost_said = self._pace_said = False
         self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
@@ -205,8 +206,32 @@ class VerifierPool:
             if busy:
                 self._collect(busy, results)
                 self._expire(busy, results, len(pairs))
+                self._watch_pace(len(pairs) - len(pending) - len(busy), len(pairs), start, budget)
         self._say_cost(time.monotonic() - start, len(pairs))
         return results
+
+    def _watch_pace(self, done: int, answers: int, start: float, budget: float) -> None:
+        """While a call runs: its progress to the step's progress line (`note`), and, once a run, a warning as soon
+        as the pace of the checks done puts the call past its budget (a verifier of 12 s a check passed the
+        start-up probe, then the run said nothing for 5 minutes until the budget cut a quarter of the answers
+        off as wrong)."""
+        elapsed = time.monotonic() - start
+        note(f"verifying {done}/{answers} answers ({elapsed:.0f} s of a {budget:.0f} s budget)")
+        if self._pace_said or done < max(1, len(self._workers)) or done >= answers or math.isinf(budget):
+            return
+        projected = elapsed * answers / done
+        if projected <= budget:
+            return
+        self._pace_said = True
+        needed = max(0.0, projected - self.batch_timeout_s) * len(self._workers) / answers
+        log.warning(
+            "verifier %s: %d of %d answers checked in %.0f s; at this pace the call needs about %.0f s, past its "
+            "budget of %.0f s (algorithm.reward.batch_timeout_s %g + timeout_per_answer_s %g x %d answers / %d "
+            "workers), and the answers left then count as wrong: raise algorithm.reward.timeout_per_answer_s to "
+            "%.2g or more, or algorithm.reward.workers",
+            self.spec, done, answers, elapsed, projected, budget, self.batch_timeout_s, self.timeout_per_answer_s,
+            answers, len(self._workers), 1.2 * needed,
+        )  # fmt: skip
 
     def _say_cost(self, elapsed: float, answers: int) -> None:
         """Once a run: checks that take most of what each answer adds to the budget leave no room (a verifier

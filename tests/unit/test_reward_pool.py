@@ -134,3 +134,41 @@ def test_a_verifier_that_hangs_on_some_answers_passes_the_probe_and_counts_them_
     pool = pool_factory("tests.verifiers:hang_on_hmm", workers=1, timeout_s=0.1, batch_timeout_s=60.0)
     verdicts = pool.verify([("hmm", "1")] * 3 + [("Answer: 2", "2")])
     assert [v.timed_out for v in verdicts] == [True] * 3 + [False] and verdicts[3].correct
+
+
+def test_a_pace_that_outruns_the_budget_is_said_at_the_first_checks_and_progress_is_noted(pool_factory, caplog):
+    """V4: a verifier of 12 s a check passed the start-up probe, then nothing was printed for 5 minutes until the
+    budget cut answers off. Here 0.1 s checks against a budget of 1.5 s for 30 answers (3 s of checks): said
+    after the first check, long before the budget, with the knob and a value; the progress line gets notes."""
+    from dapo_mcore.utils import progress
+
+    notes: list[tuple[float, str]] = []
+    progress._note_observers.append(lambda text: notes.append((time.monotonic(), text)))
+    try:
+        pool = pool_factory("tests.verifiers:slow_check", workers=1, batch_timeout_s=0.5, timeout_per_answer_s=1 / 30)
+        start = time.time()  # as log records' times
+        pool.verify([("Answer: 1", "1")] * 30)
+    finally:
+        progress._note_observers.clear()
+    said = [r for r in caplog.records if "at this pace the call needs about" in r.getMessage()]
+    assert len(said) == 1 and said[0].created - start < 0.6 * pool.budget_s(30)
+    assert "raise algorithm.reward.timeout_per_answer_s to" in said[0].getMessage()
+    assert notes and notes[0][1].startswith("verifying 1/30 answers")
+    assert any(text.startswith("verifying 14/30") for _, text in notes)
+
+
+def test_a_long_part_of_a_step_is_noted_in_a_file_log_at_most_once_a_minute(monkeypatch, caplog):
+    import logging
+
+    from dapo_mcore.utils import progress
+
+    caplog.set_level(logging.INFO, logger=progress.log.name)
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    with progress.RunProgress(enabled=False, total_steps=3):
+        for seconds in (0, 10, 59, 61, 130):
+            clock[0] = 1000.0 + seconds
+            progress.note(f"verifying at {seconds} s")
+    lines = [r.getMessage() for r in caplog.records if "verifying" in r.getMessage()]
+    assert lines == ["step 1: verifying at 0 s", "step 1: verifying at 61 s", "step 1: verifying at 130 s"]
+    assert progress._note_observers == []
