@@ -18,7 +18,10 @@ Version-dependent calls (grep for these names):
 - vllm.distributed.device_communicators.cpu_communicator._CPUSHMDistributed.make_group_name (a staticmethod) and
   ._init_cpu_shm (the CPU all-reduce in shared memory at engine TP > 1): one form in 0.26.0 and 0.32.0 (CPU) and
   0.33.0 (source). Wrapped to name the segments after the run and remove a killed attempt's
-  (name_cpu_shared_memory), and the names removed at shutdown (remove_cpu_shared_memory).
+  (name_cpu_shared_memory), and the names removed at shutdown (remove_shared_memory).
+- vllm.distributed.device_communicators.shm_broadcast.ShmRingBuffer.__init__ and its is_creator / shared_memory
+  (the broadcast queue at engine TP > 1, a /dev/shm/psm_* segment): one form in 0.26.0 and 0.32.0 (CPU).
+  Wrapped to list the segments this run creates and remove a killed attempt's (track_broadcast_shared_memory).
 - VLLM_USE_FLASHINFER_SAMPLER: on by default in 0.26.0, 0.32.0, 0.33.0; on CUDA its check imports the flashinfer
   package (0.26.0 failed at load without it, on an H200 on 2026-11-27). Set to 0 where that package is missing
   (prepare_environment); the adapter's requests (seeded, processed log-probs) never use FlashInfer's sampler.
@@ -161,6 +164,7 @@ def logging_during_import(level: str) -> Iterator[None]:
 _SHM_DIR = Path("/dev/shm")
 _shm_identity = ""  # this process's engines' instance id (one engine group at a time in a process)
 _shm_segments: list[Path] = []  # the segments this process created, to remove at the engine's shutdown
+_psm_ledger: Path | None = None  # where this process lists its broadcast queues' segments (track_broadcast_...)
 
 
 def name_cpu_shared_memory(instance_id: str) -> None:
@@ -194,12 +198,51 @@ def name_cpu_shared_memory(instance_id: str) -> None:
     shm.make_group_name, shm._init_cpu_shm, shm._dapo_named = staticmethod(make_group_name), init_cpu_shm, True
 
 
-def remove_cpu_shared_memory() -> None:
+def track_broadcast_shared_memory(instance_id: str) -> None:
+    """vLLM's broadcast queue at engine TP > 1 (shm_broadcast.ShmRingBuffer, its creator making the segment with
+    Python's default name, /dev/shm/psm_<random>; one form in 0.26.0 and 0.32.0, CPU and CUDA): a killed run
+    left one of 24 MiB a TP group, and its name says nothing of whose it is. Each one this process creates is
+    removed at the engine's shutdown (remove_shared_memory), and listed in /dev/shm/psm-ledger-<instance id>-<rank>
+    until then, so that the next start of the same run removes what a killed attempt left (a run directory is locked: no
+    other live process of this run can hold them)."""
+    global _psm_ledger
+    _psm_ledger = psm_ledger(instance_id, int(os.environ.get("RANK", "0")))
+    for name in _psm_ledger.read_text().split() if _psm_ledger.exists() else []:
+        if (_SHM_DIR / name).exists():
+            log.warning("vLLM: removing /dev/shm/%s, left by an earlier attempt of this run", name)
+            (_SHM_DIR / name).unlink(missing_ok=True)
+    _psm_ledger.write_text("")
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
+    except ImportError:  # a vLLM without it makes no such segment
+        return
+    if getattr(ShmRingBuffer, "_dapo_tracked", False):
+        return
+    vllm_init = ShmRingBuffer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        vllm_init(self, *args, **kwargs)
+        if getattr(self, "is_creator", False) and _psm_ledger is not None:
+            name = self.shared_memory.name.lstrip("/")
+            _shm_segments.append(_SHM_DIR / name)
+            with open(_psm_ledger, "a") as ledger:
+                ledger.write(name + "\n")
+
+    ShmRingBuffer.__init__, ShmRingBuffer._dapo_tracked = init, True
+
+
+def psm_ledger(instance_id: str, rank: int) -> Path:
+    return _SHM_DIR / f"psm-ledger-{instance_id}-{rank}"
+
+
+def remove_shared_memory() -> None:
     """At the engine's shutdown: remove the names of the segments this process created (vLLM unlinks them only
     when its communicator is destroyed, which a process that ends with os._exit or a failure never does). The
     peers' mappings stay valid until they end; no collective runs after a shutdown."""
     while _shm_segments:
         _shm_segments.pop().unlink(missing_ok=True)
+    if _psm_ledger is not None:
+        _psm_ledger.unlink(missing_ok=True)
 
 
 def process_group_instance_id() -> str:

@@ -42,7 +42,8 @@ from dapo_mcore.rollout.vllm_compat import (
     name_cpu_shared_memory,
     prepare_environment,
     process_group_instance_id,
-    remove_cpu_shared_memory,
+    remove_shared_memory,
+    track_broadcast_shared_memory,
 )
 
 # vLLM reads these when it is imported and when the LLM starts; set before either happens.
@@ -82,8 +83,10 @@ class VLLMEngine:
         _quiet_vllm_import(settings.engine_log)
         with logging_during_import(_vllm_log_level(settings.engine_log)):
             from vllm import LLM
+        instance_id = settings.instance_id or process_group_instance_id()
+        track_broadcast_shared_memory(instance_id)
         if settings.device == "cpu":
-            name_cpu_shared_memory(settings.instance_id or process_group_instance_id())
+            name_cpu_shared_memory(instance_id)
 
         try:
             # vLLM seeds the global RNGs when it starts; the actor's random streams must not move.
@@ -172,8 +175,7 @@ class VLLMEngine:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-            if self.on_cpu:
-                remove_cpu_shared_memory()
+            remove_shared_memory()
 
 
 class _RoundAnswers:

@@ -17,6 +17,7 @@ import torch
 
 from dapo_mcore.rollout.base import EngineSettings, SamplingParams, run_instance_id
 from dapo_mcore.rollout.registry import create_engine
+from dapo_mcore.rollout.vllm_compat import psm_ledger
 from tests.conftest import REPO, free_port, run_torchrun
 from tests.e2e.test_train_cli import SHORT
 from tests.engines.test_engine_contract import MODEL, PROMPTS
@@ -66,12 +67,17 @@ def test_training_with_engine_tp2_completes_after_an_attempt_killed_with_its_eng
     os.killpg(attempt.pid, signal.SIGKILL)
     attempt.wait(timeout=60)
     assert len(run_segments(run_dir)) == 2, attempt.communicate()[1][-4000:]  # one per rank, left behind
+    # and vLLM's broadcast queue (/dev/shm/psm_*, 24 MiB, Python's random name): listed by the rank that made it
+    ledgers = [psm_ledger(run_instance_id(run_dir), rank) for rank in range(2)]
+    broadcast = [SHM / name for ledger in ledgers if ledger.exists() for name in ledger.read_text().split()]
+    assert broadcast and all(segment.exists() for segment in broadcast)
     rows = train_at_engine_tp2(run_dir, "checkpoint.resume=auto")
     assert [r["step"] for r in rows] == [1, 2]
     # Both ranks of the engine group sent the same prompts (else the SPMD engine hangs or mixes them up), and
     # its answers' log-probs are the actor's.
     assert all(r["rollout/generated_samples"] > 0 and r["mismatch/abs_logp_diff_max"] < 1e-4 for r in rows)
     assert run_segments(run_dir) == []  # an engine shut down removes its own
+    assert not any(segment.exists() for segment in broadcast + ledgers)  # the killed attempt's too
 
 
 def test_partial_rollout_at_engine_tp2_stops_both_ranks_together_when_their_verifiers_disagree(tmp_path):
