@@ -58,6 +58,12 @@ from dapo_mcore.utils.timers import add_observer, current_step, remove_observer
 log = get_logger(__name__)
 
 PEER_LOST_EXIT_CODE = 76
+
+
+class StoreGone(RuntimeError):
+    """The watch's store ended with this rank's launcher (PeerWatch._store_gone): no call is made to it."""
+
+
 PREFIX = "dapo_mcore/peer_watch"
 LOST = "lost"  # the verdict: "rank R on host H last heard N s ago (judged by rank J)"
 ACKS = "acks"  # ranks that read the verdict (rank 0 waits for them before its process, maybe the store's, ends)
@@ -156,6 +162,9 @@ class PeerWatch:
         self._stopping = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._pid = os.getpid()
+        self._parent = os.getppid()
+        # under torchrun the store is its agent's: it ends with the launcher, and this rank's parent is that launcher
+        self._store_is_parents = "TORCHELASTIC_RUN_ID" in os.environ
         self.prefix = ""  # the store prefix of its keys (start_for_world): what gone_peer_line reads with
 
     @classmethod
@@ -206,6 +215,12 @@ class PeerWatch:
             log.debug("peer watch: could not mark rank %d as left (%s)", self.rank, err)
         self.stop()
 
+    def store_gone(self) -> bool:
+        """Whether the store is known to have ended with this rank's launcher (torchrun killed: its ranks take
+        that as SIGTERM and leave). Nobody is left to read a mark, and each call to the dead store printed a C++
+        warning of 20 stack frames, twice with its reconnects, around the stop lines."""
+        return self._store_is_parents and os.getppid() != self._parent
+
     def stop(self) -> None:
         self._done.set()
         remove_observer(self)
@@ -231,7 +246,7 @@ class PeerWatch:
             try:
                 self._beat()
             except RuntimeError as err:  # torch's DistError: the store refused, its process ended (module docstring)
-                if not self._done.is_set():
+                if not self._done.is_set() and not isinstance(err, StoreGone):
                     log.warning(
                         "peer watch: the store at %s refused (%s): its process has ended (rank 0 left first, or "
                         "crashed); this rank's watch stops",
@@ -305,6 +320,9 @@ class PeerWatch:
             time.sleep(0.1)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.store_gone():
+            self._done.set()  # the watch ends with the store (no rank is left to judge or to be judged)
+            raise StoreGone(f"the store at {self._address} ended with this rank's launcher")
         result = fn(*args)
         self._answers.answered(self._clock())
         return result
@@ -315,6 +333,9 @@ class PeerWatch:
             self._check_store()
 
     def _check_store(self) -> None:
+        if self.store_gone():
+            self._done.set()
+            return
         silent_s = self._answers.silent_for(self._clock(), self.timeout_s)
         if silent_s is not None:
             self._stop_rank(store_lost_verdict(self._address, self._host0, silent_s))
@@ -347,6 +368,8 @@ def gone_peer_line(watch: PeerWatch, connect_timeout_s: float = 3.0) -> str | No
     gone: the watch's own verdict covers that)."""
     import torch.distributed as dist
 
+    if watch.store_gone():  # the launcher and its store ended: connecting printed c10d's stack traces, for nothing
+        return None
     addr, port = watch._address.rsplit(":", 1)
     try:
         client = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=connect_timeout_s),
