@@ -26,6 +26,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     # Seed of this request's sampling stream; the same seed and weights give the same responses.
     seed: int = 0
+    # Per prompt: whether this rank keeps its answers' routing (None: every prompt's). A replica's engine-TP
+    # ranks generate the same answers; each keeps the routing of the groups it sends (rollout/exchange.py).
+    keep_routing: tuple[bool, ...] | None = None
 
 
 _ROLLOUT = RolloutConfig()
@@ -132,6 +135,8 @@ class AnswerRequest:
     max_new_tokens: int
     seed: int
     answer_prefix: tuple[int, ...] = ()
+    # False: the completion comes without routing (SamplingParams.keep_routing), never converted or held here
+    keep_routing: bool = True
 
 
 def answer_completion(
@@ -164,8 +169,9 @@ OnFinished = Callable[[int, Completion], bool]
 def generate_by_answers(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams):
     """`generate` for an engine whose unit is the answer: n requests per prompt (request i*n+j seeded
     params.seed + i*n + j), none stopped early, the completions grouped back by prompt."""
+    keep = params.keep_routing or (True,) * len(prompt_ids)
     requests = [
-        AnswerRequest(list(ids), params.max_new_tokens, params.seed + i * params.n + j)
+        AnswerRequest(list(ids), params.max_new_tokens, params.seed + i * params.n + j, keep_routing=keep[i])
         for i, ids in enumerate(prompt_ids)
         for j in range(params.n)
     ]

@@ -16,6 +16,7 @@ the config's that raised while the engine stepped: rollout/user_functions.py).""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,9 +50,13 @@ class GuardedEngine:
         groups = self._call("generate", self.inner.generate, prompt_ids, params)
         self._require(len(groups) == len(prompt_ids), f"{len(groups)} answer lists for {len(prompt_ids)} prompts")
         out = []
+        keep = params.keep_routing or (True,) * len(prompt_ids)
         for i, (ids, completions) in enumerate(zip(prompt_ids, groups)):
             self._require(len(completions) == params.n, f"{len(completions)} answers for prompt {i}, not {params.n}")
-            out.append([self._checked(c, len(ids), f"answer {j} of prompt {i}") for j, c in enumerate(completions)])
+            checked = [self._checked(c, len(ids), f"answer {j} of prompt {i}") for j, c in enumerate(completions)]
+            if not keep[i]:  # an adapter that returned it anyway: another rank keeps it
+                checked = [dataclasses.replace(c, routed_experts=None) for c in checked]
+            out.append(checked)
         return out
 
     def generate_answers(

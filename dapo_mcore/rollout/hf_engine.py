@@ -117,7 +117,7 @@ class HFEngine:
             length, reason = stopper.answer_end(i, new_tokens.shape[1])
             tokens, row_logprobs = new_tokens[i, :length].tolist(), logprobs[i, :length].tolist()
             routed = None
-            if self._routing is not None:
+            if self._routing is not None and request.keep_routing:
                 routed = self._routing.rows(i, len(rows), width - len(inputs[i]), routing_rows(request, length))
             completions.append(answer_completion(self.tokenizer, request, tokens, row_logprobs, reason, routed))
         return completions

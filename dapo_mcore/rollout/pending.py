@@ -132,18 +132,10 @@ class PendingGroups:
         """From a save: at the same number of replicas each takes its own file back as it was; at another, the
         saved groups (replica by replica) are dealt anew over this run's replicas, each rank reading only the
         files that hold groups dealt to it."""
-        saved = [[PendingInfo(*map(int, i)) for i in infos] for infos in state["info"]]
-        if len(saved) != int(state["replicas"]):
-            raise CheckpointError(
-                f"the save's partial-rollout records list {len(saved)} of {state['replicas']} replicas"
-            )
+        saved = saved_records(state)
 
         def groups_of(replica: int) -> list[Group]:
-            name = file_name(replica, len(saved))
-            groups = saved_groups(read(name), "unfinished", step, file=name, vocab_size=vocab_size)
-            if [PendingInfo.of(g) for g in groups] != saved[replica]:
-                raise CheckpointError(f"the save's {name} does not hold the {len(saved[replica])} groups it lists")
-            return groups
+            return replica_groups(saved, replica, read, step, vocab_size)
 
         me = self.split.replica
         if len(saved) == self.split.n_replicas:
@@ -161,3 +153,56 @@ class PendingGroups:
         dealt = deal([0] * self.split.n_replicas, len(groups))
         self.info = [[PendingInfo.of(g) for g, d in zip(groups, dealt) if d == r] for r in range(len(self.info))]
         self.own = [g for g, d in zip(groups, dealt) if d == self.split.replica]
+
+
+def saved_records(state: dict[str, Any]) -> list[list[PendingInfo]]:
+    """Every replica's records of a save's pending groups (PendingGroups.state_dict), checked as the run wrote them."""
+    try:
+        saved = [[PendingInfo(*map(int, i)) for i in infos] for infos in state["info"]]
+        replicas = int(state["replicas"])
+    except (TypeError, ValueError, KeyError) as err:
+        raise CheckpointError(
+            f"the save's partial-rollout records are not what the run wrote: {type(err).__name__}: {err}"
+        ) from None
+    if len(saved) != replicas:
+        raise CheckpointError(f"the save's partial-rollout records list {len(saved)} of {replicas} replicas")
+    return saved
+
+
+def replica_groups(
+    saved: list[list[PendingInfo]],
+    replica: int,
+    read: Callable[[str], Any],
+    step: int | None,
+    vocab_size: int | None = None,
+) -> list[Group]:
+    """The pending groups of one replica from its file of the save (`read`: the file by name), checked as the
+    run wrote them and against the records every rank holds (`saved`: saved_records)."""
+    name = file_name(replica, len(saved))
+    groups = saved_groups(read(name), "unfinished", step, file=name, vocab_size=vocab_size)
+    if [PendingInfo.of(g) for g in groups] != saved[replica]:
+        raise CheckpointError(f"the save's {name} does not hold the {len(saved[replica])} groups it lists")
+    return groups
+
+
+def listed_files(state: dict[str, Any]) -> dict[str, str]:
+    """The files a save's pending records (PendingGroups.state_dict) say it holds, each with what it holds
+    ("2 unfinished groups of engine replica 0"): a replica's file is written only when it holds some."""
+    saved = saved_records(state)
+    return {
+        file_name(replica, len(saved)): f"{len(infos)} unfinished group{'s' * (len(infos) != 1)} of engine replica "
+        f"{replica}"
+        for replica, infos in enumerate(saved)
+        if infos
+    }
+
+
+def check_saved_files(
+    state: dict[str, Any], read: Callable[[str], Any], step: int | None, vocab_size: int | None = None
+) -> None:
+    """Every replica's file of a save's pending groups, read and checked as the rank that resumes it reads its own
+    (a resume reads only its replica's; `dapo-mcore check` reads them all, on one machine)."""
+    saved = saved_records(state)
+    for replica, infos in enumerate(saved):
+        if infos:
+            replica_groups(saved, replica, read, step, vocab_size)

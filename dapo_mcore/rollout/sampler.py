@@ -199,18 +199,20 @@ class RolloutSampler:
         cfg = self.settings
         prompts = self.prompts.take(n_prompts)  # identical on every rank
         mine = self.split.mine(prompts)
+        keys = [(round_idx, i) for i in range(len(mine))]
         params = SamplingParams(
             n=cfg.n_samples_per_prompt,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_response_len,
             seed=derive_seed(cfg.seed, step, round_idx, self.replica),
+            # each engine-TP rank keeps the routing of the groups it will send, from the engine's output on
+            keep_routing=tuple(self._ranks.sender(self.replica, key) == self._ranks.rank for key in keys),
         )
         with timer.phase("generate"):
             groups = self._generate(mine, params, step)
         with timer.phase("reward"):
             self.scoring.score(groups)
-        keys = [(round_idx, i) for i in range(len(groups))]
         keep = self.scoring.keep_mask(groups)
         kept_groups = {key: g for key, g, kept in zip(keys, groups, keep) if kept}  # only these may move
         summaries = [summarize(g, kept, self.replica, key) for g, kept, key in zip(groups, keep, keys)]
@@ -220,7 +222,17 @@ class RolloutSampler:
         with phase_scope("summaries"):  # every replica's groups of the round, as metadata (no tokens)
             gathered = self.all_gather(summaries)
         # Undo the round-robin split so every rank sees the groups in prompt order (one copy per replica).
-        return self.split.in_order(self.split.per_replica(gathered), len(prompts))
+        return self.split.in_order(self._from_senders(gathered), len(prompts))
+
+    def _from_senders(self, gathered: list[list[GroupSummary]]) -> list[list[GroupSummary]]:
+        """Each replica's summaries of a round, each group's as the rank that sends it made it: that rank alone
+        kept the group's routing (its summary has the routing's shape), and its own verdicts decided what it
+        keeps to send."""
+        tp = self.split.tp_size
+        return [
+            [gathered[self._ranks.sender(r, s.key)][i] for i, s in enumerate(gathered[r * tp])]
+            for r in range(len(gathered) // tp)
+        ]
 
     def _generate_partial_round(
         self, step: int, round_idx: int, n_prompts: int, wanted: int, timer: PhaseTimer

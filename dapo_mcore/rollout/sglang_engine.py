@@ -76,7 +76,8 @@ class SGLangEngine:
         outputs = self.engine.generate(
             input_ids=inputs, sampling_params=sampling, return_logprob=True, **self._routing_request()
         )
-        completions = [self._completion(out) for out in outputs]
+        keep = params.keep_routing or (True,) * len(prompt_ids)
+        completions = [self._completion(out, keep[k // params.n]) for k, out in enumerate(outputs)]
         return [completions[i * params.n : (i + 1) * params.n] for i in range(len(prompt_ids))]
 
     def _sampling(self, params: SamplingParams, max_new_tokens: int, seed: int) -> dict:
@@ -119,7 +120,7 @@ class SGLangEngine:
             if meta.get("finish_reason") is None or reasons[i] is not None:
                 continue
             reasons[i] = _finish_reason(meta["finish_reason"], allow_abort=stopped)
-            routed[i] = self._routed_experts(meta)
+            routed[i] = self._routed_experts(meta) if requests[i].keep_routing else None
             if not stopped and reasons[i] != "abort":
                 answer = answer_completion(self.tokenizer, requests[i], tokens[i], logprobs[i], reasons[i], routed[i])
                 stopped = bool(on_finished(i, answer))
@@ -135,13 +136,12 @@ class SGLangEngine:
             if reason is None:
                 self.engine.tokenizer_manager.abort_request(rid=rid)
 
-    def _completion(self, out: dict) -> Completion:
+    def _completion(self, out: dict, keep_routing: bool = True) -> Completion:
         meta = out["meta_info"]
         tokens = list(out["output_ids"])
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
-        return Completion(
-            tokens, logprobs, _finish_reason(meta["finish_reason"]), out["text"], self._routed_experts(meta)
-        )
+        routed = self._routed_experts(meta) if keep_routing else None
+        return Completion(tokens, logprobs, _finish_reason(meta["finish_reason"]), out["text"], routed)
 
     def _routing_request(self) -> dict:
         return {"return_routed_experts": True} if self.settings.return_routed_experts else {}

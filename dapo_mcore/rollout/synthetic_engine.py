@@ -273,7 +273,9 @@ class SyntheticEngine:
             text = f"(synthetic answer, unfinished at {total} tokens)"
         else:
             text = f"(synthetic answer of {total} tokens) {verdict_text(plan.correct)}"
-        routed = self._routed(request, n, plan) if self.routing is not None and reason != "abort" else None
+        routed = None
+        if self.routing is not None and reason != "abort" and request.keep_routing:
+            routed = self._routed(request, n, plan)
         tokens = torch.from_numpy(body.astype(np.int32))
         return Completion(tokens, torch.from_numpy(logprobs.astype(np.float32)), reason, text, routed)
 

@@ -199,7 +199,8 @@ class _RoundAnswers:
             tokens.extend(delta.token_ids)
             logprobs.extend(_sampled_logprobs(delta.logprobs, delta.token_ids))
             if out.finished:  # the routing arrives whole with the last delta
-                self.done[i] = self._completion(i, _finish_reason(delta.finish_reason), _routed_experts(delta))
+                routed = _routed_experts(delta) if self.requests[i].keep_routing else None
+                self.done[i] = self._completion(i, _finish_reason(delta.finish_reason), routed)
                 yield i, self.done[i]
 
     def unfinished(self) -> list[str]:

@@ -327,3 +327,47 @@ def test_every_summary_field_is_copied_verbatim_or_converted_and_survives_the_ro
     back = exchange._hollow_group(summary).samples[0]
     for name in exchange.VERBATIM_FIELDS:
         assert getattr(back, name) == getattr(sample, name), name
+
+
+class RoutedScripted(ScriptedEngine):
+    """ScriptedEngine with routing (a byte of the prompt's first operand at every row), made only for the
+    prompts this rank keeps (SamplingParams.keep_routing) and counted: what an engine-TP rank holds."""
+
+    def __init__(self):
+        super().__init__(correct_for_even_first_operand, length=5)
+        self.made = 0
+
+    def generate(self, prompt_ids, params):
+        keep = params.keep_routing or (True,) * len(prompt_ids)
+        groups = super().generate(prompt_ids, params)
+        for ids, group, kept in zip(prompt_ids, groups, keep):
+            operand = int("".join(chr(i) for i in ids).removeprefix("What is ").split("+")[0])
+            for c in group if kept else ():
+                c.routed_experts = torch.full((len(ids) + len(c.token_ids) - 1, 2, 2), operand, dtype=torch.uint8)
+                self.made += 1
+        return groups
+
+
+def test_an_engine_tp_rank_never_holds_the_routing_of_groups_another_rank_sends():
+    """At engine TP 2 each rank is asked for the routing of the groups it sends only, from the engine's output on
+    (the round's routing on every engine-TP rank was 39 GB a rank at the 30B-A3B recipe); the summaries of each
+    group come from its sender, and every trainer gets its samples' routing as one process would hold it."""
+    world_size, tp = 4, 2
+    world, board = ThreadWorld(world_size), LocalBoard(wait_s=60)
+    samplers = [make_sampler(r, world_size, world, tp, dp=2, board=board) for r in range(world_size)]
+    for sampler in samplers:
+        sampler.engine = RoutedScripted()
+    batches = world.each_rank(lambda rank: samplers[rank].next_batch(0, PhaseTimer()))
+    one = make_sampler(0, 1, None)
+    one.engine = RoutedScripted()
+    answers = one.settings.n_samples_per_prompt
+    made = [s.engine.made for s in samplers]
+    generated = one.next_batch(0, PhaseTimer()).metrics["dynamic_sampling/generated_groups"]
+    assert sum(made) == generated * answers  # each answer's routing made once over the whole world
+    assert all(0 < m < generated * answers / 2 for m in made)  # each rank: a share of its replica's
+    for batch in batches:
+        held = [s for s in batch.samples if s.held]
+        assert held and all(
+            s.routed_experts is not None and s.routed_experts.shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1
+            for s in held
+        )
