@@ -65,7 +65,7 @@ def test_without_an_interface_towards_the_master_the_job_stops_with_one_line(two
 
 
 def test_node_0_of_a_job_across_hosts_gives_gloo_its_default_routes_interface(two_hosts, tmp_path):
-    # issue 60: MASTER_ADDR is node 0's name, which resolves to 127.0.1.1 there too; its route is loopback
+    # MASTER_ADDR is node 0's name, which resolves to 127.0.1.1 there too; its route is loopback
     two_hosts.setenv("WORLD_SIZE", "16")
     two_hosts.setenv("LOCAL_WORLD_SIZE", "8")
     two_hosts.setenv("MASTER_ADDR", "127.0.1.1")

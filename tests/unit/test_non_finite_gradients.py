@@ -1,5 +1,5 @@
 """A non-finite gradient stops the run before its update: Megatron's optimizer (no loss scaler in fp32/bf16)
-steps on a NaN norm and writes NaN weights, which the push hands to the engine (issue 60: the MoE recipe's
+steps on a NaN norm and writes NaN weights, which the push hands to the engine (the MoE recipe's
 first step under full recompute did exactly that, and only step 2's mismatch guard stopped it)."""
 
 import math
