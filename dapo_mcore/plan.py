@@ -38,6 +38,14 @@ Per GPU, on the heaviest pipeline stage:
   the actor allocates (build.py start_engine), so "engine start" compares the share with the GPU less the
   CUDA context.
 - host (optimizer.cpu_offload): offload_fraction of the fp32 master, the Adam moments and pinned fp32 grads.
+
+Host memory a node (GPUS_PER_NODE processes; what a job's --mem must cover), held for the whole run: the engine's
+weights copied to the host at sleep_level 1 (vLLM's CuMemAllocator backs them up in pinned memory, and PyTorch's
+pinned-memory cache keeps those blocks between sleeps), the optimizer state rollout.offload_actor moves there
+while generating (a non-blocking copy to the CPU lands in pinned memory, cached alike), optimizer.cpu_offload's
+state, each process's own (Python, torch, CUDA's host side, the libraries: assumed) and the verifier workers;
+then at most one of a step's rollout data, a save's staging or a resume's reads at a time. The page cache
+(checkpoint files, the weights read at start) is not counted.
 """
 
 from __future__ import annotations
@@ -56,11 +64,13 @@ from dapo_mcore.plan_time import (
     DEFAULT_KEEP_RATE,
     DEFAULT_MEAN_LEN,
     DEFAULT_MFU,
+    GPUS_PER_NODE,
     StepShape,
     StepTime,
     estimate,
     format_step_time,
 )
+from dapo_mcore.rewards.pool import ANSWERS_PER_WORKER
 from dapo_mcore.utils.errors import ConfigError, LayoutError
 
 GIB = 1 << 30
@@ -77,6 +87,21 @@ _ENGINE_BATCHED_TOKENS = 8192
 _ENGINE_MAX_SEQS = 1024
 _HF_ENGINE_ROWS = 256  # HFEngine's max_batch_rows
 _MICRO_BATCH_BYTES_PER_TOKEN = 6 * 4 + 3 * 8  # MicroBatch: six float [b, s] tensors and three long ones
+# Host memory of a GPU process beside what the lines count: Python, torch, CUDA's host side, Megatron-Core and the
+# engine's libraries. An assumption, not measured here.
+_PROCESS_HOST_GIB = 4.0
+# A verifier worker (rewards/pool.py): 27 MB resident with the dapo rule, 89 MB with math_verify after a check
+# (measured on the CPU); the rest is room for a verifier's caches.
+_VERIFIER_WORKER_GIB = 0.25
+# The data path's host memory a trained token of the rank's share (the answers, the built micro-batches, the
+# exchange's buffer): the rehearsal's figure at an 8k mean answer (docs/rehearsal.md).
+_DATA_BYTES_PER_TOKEN = 88
+# A round's answers, which each rank of their replica holds until the keep decision: token ids (int64).
+_ROUND_BYTES_PER_TOKEN = 8
+# --mem: the peak plus this share for what the plan leaves out (the allocators' slack, the page cache it is
+# charged for), rounded up to whole multiples of _MEM_STEP_GIB.
+_MEM_MARGIN = 0.10
+_MEM_STEP_GIB = 16
 
 Kind = Literal["actor", "engine", "overhead"]
 
@@ -235,6 +260,30 @@ class Suggestion:
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """Host memory of one node's GPU processes (bytes a node in every line): `held` for the whole run, and
+    `passing`, of which one at a time comes on top (a step's rollout data, a save's staging, a resume's reads)."""
+
+    processes: int  # GPU processes a node
+    held: tuple[Line, ...]
+    passing: tuple[Line, ...]
+
+    @property
+    def largest_passing(self) -> Line | None:
+        return max(self.passing, key=lambda line: line.bytes, default=None)
+
+    @property
+    def peak(self) -> float:
+        largest = self.largest_passing
+        return sum(line.bytes for line in self.held) + (largest.bytes if largest is not None else 0.0)
+
+    @property
+    def mem_gib(self) -> int:
+        """What to ask of Slurm (--mem, per node): the peak and a margin, in whole steps of _MEM_STEP_GIB."""
+        return math.ceil(self.peak * (1 + _MEM_MARGIN) / (_MEM_STEP_GIB * GIB)) * _MEM_STEP_GIB
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     gpu_bytes: float
     gpus: int
@@ -250,6 +299,7 @@ class MemoryPlan:
     # Host memory a GPU's process takes while it saves a checkpoint, and while it resumes from one.
     save_lines: tuple[Line, ...] = ()
     step_time: StepTime | None = None  # on GPUs with a vLLM / SGLang engine
+    host: HostMemory | None = None  # host memory a node (on GPUs)
 
     @property
     def peak(self) -> Phase:
@@ -320,7 +370,12 @@ def plan_memory(
     to change when it does not fit, and the step's time estimated."""
     gpus = gpus or default_gpus()
     plan = _plan(cfg, model_config, gpu_gb, gpus)
-    plan = replace(plan, step_time=_step_time(cfg, ModelShape.from_hf(model_config), gpus, gpu_gb, plan, assumed))
+    shape = ModelShape.from_hf(model_config)
+    plan = replace(
+        plan,
+        step_time=_step_time(cfg, shape, gpus, gpu_gb, plan, assumed),
+        host=_host_memory(cfg, shape, _layout(cfg, shape, gpus), plan, assumed),
+    )
     if plan.fits:
         return plan
     return replace(plan, suggestions=_suggestions(cfg, model_config, gpu_gb, gpus, plan))
@@ -793,6 +848,113 @@ class _EngineModel:
         )
 
 
+# --- host memory a node ---------------------------------------------------------------------------------------
+
+
+def _host_memory(
+    cfg: RunConfig, shape: ModelShape, lay: _Layout, plan: MemoryPlan, assumed: Assumed
+) -> HostMemory | None:
+    """What a node's GPU processes hold in host memory (the module's docstring); None on the CPU, where the
+    plan's phases are host memory already."""
+    if not lay.on_gpu:
+        return None
+    n = min(lay.gpus, GPUS_PER_NODE)
+    held = [
+        *_engine_host_copy(cfg, shape, lay, n),
+        *_offloaded_optimizer(cfg, plan, n),
+        Line("the processes", n * _PROCESS_HOST_GIB * GIB,
+             f"{n} x {_PROCESS_HOST_GIB:g} GiB: Python, torch, CUDA's host side, the libraries (assumed)"),
+        *_verifier_workers(cfg, lay, n, assumed),
+    ]  # fmt: skip
+    passing = [_rollout_data(cfg, shape, lay, n, assumed)]
+    saving = sum(line.bytes for line in plan.save_lines if line.name.startswith("save"))
+    if saving:
+        passing.append(Line("a save's staging", n * saving, f"{n} x {saving / GIB:.2f} GiB (checkpoints, above)"))
+    # the rank's own optimizer share is read into place, a tensor at a time (dp_reshardable)
+    reading = sum(
+        line.bytes
+        for line in plan.save_lines
+        if line.name.startswith("resume") and line.name != "resume: the rank's optimizer share"
+    )
+    if reading:
+        passing.append(Line("a resume's reads", n * reading, f"{n} x {reading / GIB:.2f} GiB (checkpoints, above)"))
+    return HostMemory(n, tuple(line for line in held if line.bytes > 0), tuple(passing))
+
+
+def _engine_host_copy(cfg: RunConfig, shape: ModelShape, lay: _Layout, n: int) -> tuple[Line, ...]:
+    """vLLM at sleep_level 1 backs its weights up in pinned host memory, which PyTorch's pinned cache keeps between
+    sleeps; the HF engine moves its whole model there. SGLang's memory saver and sleep_level 2 discard them (the
+    next push refreshes them)."""
+    ro, b = cfg.rollout, _DTYPE_BYTES[cfg.model.dtype]
+    if ro.engine == "vllm" and ro.sleep_level == 1:
+        per = shape.total_params() * b / lay.engine_tp
+        formula = f"{n} x {_count(shape.total_params())} params x {b} B / engine TP {lay.engine_tp} (pinned)"
+        return (Line("engine weights (vllm sleep_level 1)", n * per, formula),)
+    if ro.engine == "hf":
+        per = shape.total_params() * b
+        return (Line("engine model (hf)", n * per, f"{n} x {_count(per / b)} params x {b} B"),)
+    return ()
+
+
+def _offloaded_optimizer(cfg: RunConfig, plan: MemoryPlan, n: int) -> tuple[Line, ...]:
+    lines = []
+    if cfg.optimizer.cpu_offload:
+        per = sum(line.bytes for line in plan.host_lines)
+        formula = f"{n} x {per / GIB:.2f} GiB: fp32 master, Adam moments, pinned fp32 gradients (above)"
+        lines.append(Line("optimizer state (optimizer.cpu_offload)", n * per, formula))
+    # offload_for_rollout moves the optimizer state off the GPU, but not the hybrid optimizer's (its GPU share stays)
+    if cfg.rollout.offload_actor and not cfg.optimizer.cpu_offload:
+        train = plan.phase("train")
+        per = train.bytes_of("actor fp32 master") + train.bytes_of("actor Adam moments")
+        formula = f"{n} x {per / GIB:.2f} GiB: fp32 master + Adam moments while generating (pinned)"
+        lines.append(Line("optimizer state (rollout.offload_actor)", n * per, formula))
+    return tuple(lines)
+
+
+def _round_tokens(cfg: RunConfig, lay: _Layout, assumed: Assumed, mean_prompt: float) -> float:
+    """Tokens of a generation round one engine replica holds, at the assumed mean answer."""
+    ro = cfg.rollout
+    prompts = ro.gen_prompts_per_round * (ro.partial_oversample if ro.partial_rollout else 1)
+    mean_len = min(assumed.mean_len, ro.sampling.max_response_len)
+    return prompts * ro.n_samples_per_prompt / lay.replicas * (mean_prompt + mean_len)
+
+
+def _verifier_workers(cfg: RunConfig, lay: _Layout, n: int, assumed: Assumed) -> tuple[Line, ...]:
+    """Each replica's scoring rank runs the verifier pool: algorithm.reward.workers, or with -1 one per
+    ANSWERS_PER_WORKER answers of its round, up to the task's CPUs less one (rewards/pool.py host_workers)."""
+    workers = cfg.algorithm.reward.workers
+    answers = cfg.rollout.gen_prompts_per_round * cfg.rollout.n_samples_per_prompt / lay.replicas
+    source = f"algorithm.reward.workers {workers}"
+    if workers < 0:
+        workers = min(max(1, assumed.cpu_threads - 1), max(1, math.ceil(answers / ANSWERS_PER_WORKER)))
+        source = f"algorithm.reward.workers -1: a round's {answers:,.0f} answers, --cpus-per-task {assumed.cpu_threads}"
+    replicas = max(1, n // lay.engine_tp)
+    plural = "s" if replicas != 1 else ""
+    formula = f"{replicas} replica{plural} x {workers} workers x {_VERIFIER_WORKER_GIB:g} GiB ({source})"
+    return (Line("verifier workers", replicas * workers * _VERIFIER_WORKER_GIB * GIB, formula),)
+
+
+def _rollout_data(cfg: RunConfig, shape: ModelShape, lay: _Layout, n: int, assumed: Assumed) -> Line:
+    """A step's data on the host: the rank's share of the trained tokens (docs/rehearsal.md's 88 B a token) and
+    the round its replica generated, held until the keep decision (with routing replay, its experts too)."""
+    mean_prompt = _tokens(cfg, shape, lay).prompt / 2
+    mean_len = min(assumed.mean_len, cfg.rollout.sampling.max_response_len)
+    trained = step_answers(cfg) * (mean_prompt + mean_len) / lay.dp
+    round_tokens = _round_tokens(cfg, lay, assumed, mean_prompt)
+    routing = shape.moe_layers * shape.topk if cfg.model.routing_replay == "rollout" and shape.experts else 0
+    per = trained * _DATA_BYTES_PER_TOKEN + round_tokens * (_ROUND_BYTES_PER_TOKEN + routing / lay.engine_tp)
+    each = (
+        f"({_ROUND_BYTES_PER_TOKEN} + {routing} B of routing / engine TP {lay.engine_tp})"
+        if routing
+        else f"{_ROUND_BYTES_PER_TOKEN} B"
+    )
+    formula = (
+        f"{n} x ({trained / 1e6:.1f}M trained tokens a rank x {_DATA_BYTES_PER_TOKEN} B + a replica's round of "
+        f"{round_tokens / 1e6:.1f}M tokens x {each}), at a mean answer of {mean_len:,.0f} tokens"
+    )
+    return Line("rollout data of a step", n * per, formula)
+
+
 # --- words ----------------------------------------------------------------------------------------------------
 
 
@@ -862,6 +1024,7 @@ def format_plan(plan: MemoryPlan, gpus_from: str = "") -> str:
         host = sum(line.bytes for line in plan.host_lines)
         out += [f"  {'total':<38}{host / GIB:>8.2f} GiB; x the GPUs of a node (8: {8 * host / GIB:.0f} GiB)", ""]
     out += _save_summary(plan)
+    out += _host_summary(plan.host) if plan.host is not None else []
     out += [format_step_time(plan.step_time), ""] if plan.step_time is not None else []
     out += [f"note: {note}" for note in plan.notes]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -886,6 +1049,29 @@ def _save_summary(plan: MemoryPlan) -> list[str]:
     return out + [
         f"  a node of 8 GPUs: a save stages at most {8 * saving / GIB:.0f} GiB in host memory; a resume reads "
         f"{8 * resuming / GIB:.0f} GiB from storage (checkpoint.optimizer_format)",
+        "",
+    ]
+
+
+def host_memory_line(host: HostMemory) -> str:
+    """`host memory a node: N GiB (its parts)`: what a Slurm job's --mem must cover."""
+    held = " + ".join(f"{line.name} {line.bytes / GIB:.0f}" for line in host.held)
+    largest = host.largest_passing
+    then = f"; on top, at most {largest.name} {largest.bytes / GIB:.0f}" if largest is not None else ""
+    return (
+        f"host memory a node: {host.peak / GIB:.0f} GiB ({host.processes} GPU processes; held throughout: {held}"
+        f"{then} GiB; the page cache is not counted)"
+    )
+
+
+def _host_summary(host: HostMemory) -> list[str]:
+    out = [host_memory_line(host)]
+    out += [f"  {line.name:<42}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in host.held]
+    out.append("  on top, one at a time:")
+    out += [f"  {line.name:<42}{line.bytes / GIB:>8.2f} GiB  {line.formula}" for line in host.passing]
+    return out + [
+        f"  sbatch: --mem={host.mem_gib}G (the peak + {_MEM_MARGIN:.0%}, in steps of {_MEM_STEP_GIB} GiB), or "
+        "--mem=0 (all of a node's memory: slurm/train.sbatch's default)",
         "",
     ]
 

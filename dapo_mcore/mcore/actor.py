@@ -59,6 +59,7 @@ from dapo_mcore.mcore.provider import cpu_offload_problem, padded_vocab_size
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_reduce_sums_and_maxes
 from dapo_mcore.utils.errors import ConfigError, NonFiniteGradients
+from dapo_mcore.utils.progress import note
 
 _QUANTILES = (0.5, 0.9, 0.99)
 
@@ -444,6 +445,7 @@ class MegatronActor(PolicyRunner):
         totals = torch.zeros(len(self.sum_keys), dtype=torch.float64)
         grad_norms, skipped = [], 0
         for j, micro in enumerate(batches.mini_batches):
+            note(f"mini-batch {j + 1}/{len(batches.mini_batches)} of the update")  # hours a step at the recipes
             computed = self.selection.computed(j, micro)
             if not computed:  # a rehearsal's mini-batch left uncomputed: no update (the same on every rank)
                 skipped += 1

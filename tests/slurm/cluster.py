@@ -76,6 +76,11 @@ FINAL_STATES = frozenset(
         "SPECIAL_EXIT",
     }
 )
+# A cluster that binds each task to cores, as many sites' do (task/affinity, binding to cores by default): Slurm 22.05
+# then gives a step's task one core unless srun is told --cpus-per-task (measured: a job of -n 1 -c 2 on a node of
+# 2 CPUs, `srun nproc` said 1; with SRUN_CPUS_PER_TASK=2, 2). Binding needs each node's CPUs to be real ones: a
+# node declaring more CPUs than this machine has is bound within the real ones (Slurm resets cpus_per_task to 1).
+CORE_BINDING = "TaskPlugin=task/affinity\nTaskPluginParam=autobind=cores"
 # `env` (so every daemon, slurmstepd and job submitted with it) carries this: stop() uses it to find what the
 # cluster left behind, without matching other processes by name.
 MARKER = "DAPO_TEST_SLURM_CLUSTER"
@@ -161,7 +166,8 @@ class SlurmCluster:
     nodes=0: one node, `localhost`. nodes=N: node1..nodeN, each in its own namespaces with its own slurmd;
     slurmctld runs in the controller's namespace (hostname `ctl`), munged on this machine (its socket is a file).
     `read_only_on` maps a node to paths that are read-only on that node alone; `slurmd_timeout` is the seconds
-    slurmctld waits for a silent node before it marks it DOWN (and fails and re-queues its jobs).
+    slurmctld waits for a silent node before it marks it DOWN (and fails and re-queues its jobs). `task_plugin`:
+    its slurm.conf lines (CORE_BINDING: tasks bound to their CPUs, as many sites bind them).
     """
 
     def __init__(
@@ -177,6 +183,7 @@ class SlurmCluster:
         nodes: int = 0,
         read_only_on: dict[str, list[Path]] | None = None,
         slurmd_timeout: int = 300,
+        task_plugin: str = "TaskPlugin=task/none",
     ):
         self.cpus = cpus or max(2, os.cpu_count() or 1)
         self.kill_wait = kill_wait
@@ -192,6 +199,7 @@ class SlurmCluster:
         self.nodes = self.network.nodes if self.network else [NODE]
         self.read_only_on = read_only_on or {}
         self.slurmd_timeout = slurmd_timeout
+        self.task_plugin = task_plugin
         self.root: Path | None = None
         self.conf: Path | None = None
         self.env: dict[str, str] = {}
@@ -335,7 +343,7 @@ class SlurmCluster:
                     f"PlugStackConfig={root / 'plugstack.conf'}",
                     "MailProg=/bin/true",
                     "ProctrackType=proctrack/linuxproc",
-                    "TaskPlugin=task/none",
+                    *self.task_plugin.split("\n"),
                     "JobAcctGatherType=jobacct_gather/none",
                     "AccountingStorageType=accounting_storage/none",
                     "JobCompType=jobcomp/none",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.slurm.cluster import SlurmCluster, SlurmUnavailable
+from tests.slurm.cluster import CORE_BINDING, SlurmCluster, SlurmUnavailable
 
 
 def unavailable(reason: str) -> None:
@@ -44,11 +44,14 @@ def slurm_cluster(tmp_path_factory):
 
 # The multi-node tests' cluster: node1..node9, each a network namespace with its own address, hostname and slurmd
 # (tests/slurm/netns.py), enough for the module's jobs to run at once on nodes of their own (2 + 2 + 1 + 2 + 2,
-# tests/slurm/test_multinode.py). 4 CPUs each (Slurm trusts the number: 1 task a node, or 2 on one). Slurm
+# tests/slurm/test_multinode.py). 2 CPUs each, this machine's 2 cores, bound as a site binds them (CORE_BINDING):
+# 2 tasks of 1 CPU on one node, or 1 task of 2 CPUs a node (each job --exclusive). The tasks' runs fork from a
+# warm server (tests/slurm/warm_tasks.py), outside the binding: only each task's shell and client are bound. Slurm
 # declares a silent node DOWN after SLURMD_TIMEOUT s (default 300): long enough that a test can tell the run's own
 # liveness stop (parallel.peer_timeout_s) from Slurm ending the job. A re-queued job may start cred_expire + 1 s
 # after the re-queue (5 s: Slurm's minimum). On READ_ONLY_NODE alone the folder `read_only_path` is read-only.
 NODES = 9
+CPUS_PER_NODE = 2
 SLURMD_TIMEOUT = 60
 READ_ONLY_NODE = "node9"
 
@@ -57,7 +60,12 @@ READ_ONLY_NODE = "node9"
 def slurm_nodes(tmp_path_factory):
     read_only = tmp_path_factory.mktemp(f"read_only_on_{READ_ONLY_NODE}")
     cluster = SlurmCluster(
-        nodes=NODES, cpus=4, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, read_only_on={READ_ONLY_NODE: [read_only]}
+        nodes=NODES,
+        cpus=CPUS_PER_NODE,
+        cred_expire=5,
+        slurmd_timeout=SLURMD_TIMEOUT,
+        read_only_on={READ_ONLY_NODE: [read_only]},
+        task_plugin=CORE_BINDING,
     )
     cluster.read_only_path = read_only
     yield from running(cluster, tmp_path_factory.mktemp("slurm_nodes"), "no multi-node Slurm here")

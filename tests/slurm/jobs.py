@@ -83,13 +83,14 @@ def submit(
     overrides: list[str] = (),
     shape: list[str] = CPU_NODE,
     python: str = sys.executable,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, Path]:
     """slurm/train.sbatch with the test recipe (+ `overrides`) on `shape` (the sbatch options saying how many
     nodes and tasks) + `options`, its tasks run by `python` (the script's DAPO_PYTHON); the job id and the run
-    directory. Task logs go to <tmp_path>/logs/<name>-<id>/."""
+    directory; `env`: more of the job's environment. Task logs go to <tmp_path>/logs/<name>-<id>/."""
     run_dir = tmp_path / name
     env = {"DAPO_PYTHON": python, "DAPO_LOG_DIR": str(tmp_path / "logs"), "MASTER_PORT": str(job_master_port()),
-           "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause)}  # fmt: skip
+           "PYTHONWARNINGS": "ignore", "DAPO_TEST_STEP_PAUSE": str(step_pause), **(env or {})}  # fmt: skip
     job_id = cluster.submit(
         REPO / "slurm/train.sbatch",
         *RECIPE,

@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.slurm.cluster import SlurmCluster
-from tests.slurm.conftest import READ_ONLY_NODE, SLURMD_TIMEOUT
+from tests.slurm.conftest import CPUS_PER_NODE, READ_ONLY_NODE, SLURMD_TIMEOUT
 from tests.slurm.jobs import (
     LATE_WARNING,
     OWN_STOP_MARGIN,
@@ -48,9 +48,10 @@ from tests.slurm.warm_tasks import write_client
 # Every job is DP 2 (the recipe's TP 1): 2 tasks. As cold processes each paid torch's and Megatron-Core's imports
 # (about 12 CPU-s): at 4 tasks (TP 2 x DP 2) the module cost 955 CPU-s run by itself, 980 in a suite; at 2, 456. The
 # tasks fork from a warm server (`warm_python`): 273 CPU-s and 4.0 minutes by itself (8.3 before).
-CPU = ["--cpus-per-task=1", "--gpus-per-node=0", "--gres=none", "--exclusive"]  # a node holds one job
-ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", *CPU]
-TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", *CPU]  # task 0 on the first node, task 1 on the second
+CPU = ["--gpus-per-node=0", "--gres=none", "--exclusive"]  # a node holds one job
+ONE_NODE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", *CPU]
+# task 0 on the first node, task 1 on the second, each with the node's 2 CPUs (tests/slurm/conftest.py)
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={CPUS_PER_NODE}", *CPU]
 
 
 def task_logs(tmp_path: Path, name: str, attempt: int = 0) -> dict[int, str]:
@@ -137,10 +138,10 @@ def warm_python(slurm_nodes, tmp_path_factory) -> Iterator[str]:
 
 
 def start(cluster, tmp_path_factory, name: str, *options: str, python: str, step_pause: float = 0.0, overrides=(),
-          shape=TWO_NODES) -> Job:  # fmt: skip
+          shape=TWO_NODES, env=None) -> Job:  # fmt: skip
     folder = tmp_path_factory.mktemp(name)
     job_id, run_dir = submit(cluster, folder, name, *options, step_pause=step_pause, overrides=overrides,
-                             shape=shape, python=python)  # fmt: skip
+                             shape=shape, python=python, env=env)  # fmt: skip
     return Job(job_id, run_dir, folder, name)
 
 
@@ -172,7 +173,7 @@ def jobs(slurm_nodes, warm_python, tmp_path_factory) -> Iterator[Jobs]:
     started = Jobs()
     started.cluster = slurm_nodes
     started["limited"] = start(slurm_nodes, tmp_path_factory, "limited", *TIME_LIMIT, python=warm_python,
-                               step_pause=WARNED_STEP_PAUSE, overrides=WARNING_ONLY)  # fmt: skip
+                               step_pause=WARNED_STEP_PAUSE, overrides=WARNING_ONLY, env=PROGRESS_EVERY)  # fmt: skip
     started["own"] = start(slurm_nodes, tmp_path_factory, "own", *LATE_WARNING, python=warm_python,
                            step_pause=OWN_STOP_STEP_PAUSE, overrides=OWN_STOP_MARGIN)  # fmt: skip
     started["one"] = start(slurm_nodes, tmp_path_factory, "one", python=warm_python, shape=ONE_NODE)
@@ -264,6 +265,68 @@ def test_the_batch_script_runs_2_tasks_on_one_node_to_the_end(jobs):
     assert [row["step"] for row in rows(one_node)] == list(range(1, STEPS + 1))  # updates done
     assert "world=2 = TP 1 x PP 1 x DP 2" in logs[0]
     assert f"preflight passed on 2 ranks on 1 host ({hosts_of(logs)[0]})" in logs[0]
+
+
+def first_lines(folder: Path, name: str, tasks: int, timeout: float = 400) -> dict[int, str]:
+    """Each task's first log line (slurm/train.sbatch's: host, rendezvous, CPUs) of the job's first attempt."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = task_logs(folder, name)
+        lines = {rank: text.splitlines()[0] for rank, text in logs.items() if "\n" in text}
+        if len(lines) == tasks:
+            return lines
+        assert time.monotonic() < deadline, logs
+        time.sleep(0.5)
+
+
+# Slurm 22.05's srun without --cpus-per-task, in a job that asked for 2 a task, on this cluster (CORE_BINDING).
+UNTOLD_SRUN = """#!/bin/bash
+srun bash -c 'echo "srun alone: $(env -u OMP_NUM_THREADS nproc) CPUs"'
+SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK srun bash -c 'echo "srun told: $(env -u OMP_NUM_THREADS nproc) CPUs"'
+"""
+
+
+def test_each_task_is_bound_to_the_cpus_per_task_the_job_asked(slurm_nodes, jobs, tmp_path):
+    """On a cluster that binds tasks to cores (tests/slurm/conftest.py), slurm/train.sbatch passes the job's
+    --cpus-per-task to srun (SRUN_CPUS_PER_TASK) and each task's first line names the CPUs it may use: both of a
+    node's 2 for the two-node jobs, one each for the 2 tasks of the one-node job. Without it (the control, a plain
+    srun in a job of --cpus-per-task 2) the task gets one core: what starved the verifier workers and the CPU Adam."""
+    two = first_lines(jobs["limited"].folder, "limited", 2)
+    for rank, line in two.items():
+        assert f"; 2 CPUs (0-1) for --cpus-per-task={CPUS_PER_NODE})" in line, (rank, line)
+    jobs.reference()
+    one = first_lines(jobs["one"].folder, "one", 2)
+    bound = sorted(re.search(r"; 1 CPU \((\d)\) for --cpus-per-task=1\)", line).group(1) for line in one.values())
+    assert bound == ["0", "1"], one  # a core each
+    options = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={CPUS_PER_NODE}", f"--output={tmp_path}/untold-%j.out"]
+    job_id = slurm_nodes.submit(UNTOLD_SRUN, sbatch_options=options)
+    record = slurm_nodes.wait(job_id, timeout=600)  # a node is free once the one-node job has ended
+    out = (tmp_path / f"untold-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED", f"{record}\n{out}"
+    assert "srun alone: 1 CPUs" in out and f"srun told: {CPUS_PER_NODE} CPUs" in out, out
+
+
+# The warned job's first attempt pauses WARNED_STEP_PAUSE (18 s) in each step: longer than this period, so its task 0
+# log (a file, without the live bar) gets progress lines within a step, as a 7B step of an hour gets them every 2 min.
+PROGRESS_EVERY_S = 5
+PROGRESS_EVERY = {"DAPO_PROGRESS_EVERY_S": str(PROGRESS_EVERY_S)}
+PROGRESS_LINE = re.compile(r"^(\d\d):(\d\d):(\d\d) INFO step (\d+)/\d+, \d+ s in: (.+), \d+ s so far", re.M)
+
+
+def test_a_step_longer_than_the_progress_period_writes_progress_lines_to_the_task_log(jobs):
+    job = jobs["limited"]
+    deadline = time.monotonic() + 400
+    while len(found := PROGRESS_LINE.findall(task_logs(job.folder, "limited").get(0, ""))) < 4:
+        assert time.monotonic() < deadline, task_logs(job.folder, "limited").get(0, "")[-3000:]
+        time.sleep(1.0)
+    log = task_logs(job.folder, "limited")
+    # the pause is the dynamic-sampling filter's, after the round's scoring
+    assert any(what.startswith("after scoring the answers (round 1)") for *_, what in found), found
+    seconds = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s, *_ in found]
+    steps = [int(step) for *_, step, _ in found]
+    gaps = [b - a for a, b, same in zip(seconds, seconds[1:], [x == y for x, y in zip(steps, steps[1:])]) if same]
+    assert gaps and all(gap >= PROGRESS_EVERY_S - 1 for gap in gaps), found  # one a period, at most (1 s: the clock)
+    assert not PROGRESS_LINE.search(log[1]), log[1][-2000:]  # rank 0's log alone
 
 
 # The torchrun run's steps: its processes are fresh interpreters (torchrun's agents and workers), its steps beyond

@@ -5,6 +5,7 @@ and a node that dies run on a cluster of several nodes: tests/slurm/test_multino
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -94,3 +95,41 @@ def test_the_job_requeues_when_srun_ends_a_task_still_closing_after_the_save(slu
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", f"{record}\n{out}"
     assert "srun ended with 143 after the save: stopped by Slurm's time-limit warning after step 7" in out, out
     assert "saved before the time limit: re-queueing" in out
+
+
+# Stands in for apptainer (none here): `apptainer exec --nv --bind MOUNTS --pwd DIR IMAGE COMMAND...` says how it
+# was called and runs COMMAND, as the image's shell would. The task (DAPO_PYTHON) says what it was given.
+FAKE_APPTAINER = """#!/bin/bash
+echo "apptainer $*"
+[ "$1" = exec ] || exit 90
+while [ "$1" != "$APPTAINER_IMAGE" ]; do shift; done
+shift
+exec "$@"
+"""
+SAYING_TASK = '#!/bin/sh\necho "the task ran: $*"\n'
+
+
+def test_apptainer_image_runs_each_task_through_apptainer_exec(slurm_cluster, tmp_path):
+    """The container option on a real srun (tests/unit/test_train_sbatch.py checks pyxis's line): each task's
+    shell runs inside `apptainer exec --nv` with the repository and the logs mounted, and names its CPUs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("apptainer", FAKE_APPTAINER), ("task", SAYING_TASK)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    logs = tmp_path / "logs"
+    env = {"DAPO_PYTHON": str(bin_dir / "task"), "DAPO_LOG_DIR": str(logs), "MASTER_PORT": str(free_port()),
+           "APPTAINER_IMAGE": str(tmp_path / "dapo.sif"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # fmt: skip
+    job_id = slurm_cluster.submit(
+        REPO / "slurm/train.sbatch", "examples/smoke_cpu.yaml", env=env, cwd=REPO,
+        sbatch_options=[*CPU_NODE, "--job-name=apptainer", f"--output={tmp_path}/apptainer-%j.out"],
+    )  # fmt: skip
+    record = slurm_cluster.wait(job_id, timeout=180)
+    out = job_output(tmp_path, "apptainer", job_id)
+    assert record["JobState"] == "COMPLETED", f"{record}\n{out}"
+    for rank in (0, 1):
+        log = next(logs.glob(f"apptainer-*/attempt-0-task-{rank}.log")).read_text()
+        called = f"apptainer exec --nv --bind {REPO}:{REPO},{logs}:{logs} --pwd {REPO} {tmp_path / 'dapo.sif'} bash -c"
+        assert log.startswith(called), log
+        assert re.search(rf"task {rank} of 2 on \S+ \(.*; \d+ CPUs? \(\S+\) for --cpus-per-task=1\)", log), log
+        assert "the task ran: -m dapo_mcore.cli train examples/smoke_cpu.yaml checkpoint.resume=auto" in log, log

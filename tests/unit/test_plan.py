@@ -352,3 +352,80 @@ def test_a_routine_save_and_resume_hold_the_ranks_own_optimizer_share_and_the_ca
     assert canonical["save: the DP group's gathered state"] == pytest.approx(stage * 12)
     assert canonical["resume: the DP group's whole state"] == pytest.approx(stage * 12)
     assert not plan_memory(config(*layout, "checkpoint.save_interval=0"), qwen_7b(), 80, gpus=8).save_lines
+
+
+RECIPE_MODELS = {  # the H100 recipes, the architecture each reads and the GPUs it is written for
+    "dapo_qwen2.5_7b_h100.yaml": ("Qwen2.5-7B", 8),
+    "dapo_qwen2.5_32b_h100.yaml": ("Qwen2.5-32B", 32),
+    "dapo_qwen3_30b_a3b_h100.yaml": ("Qwen3-30B-A3B", 8),
+}
+
+
+def recipe_plan(recipe: str):
+    model, gpus = RECIPE_MODELS[recipe]
+    hf = json.loads((REPO / "examples/models" / model / "config.json").read_text())
+    return load_config(REPO / "examples" / recipe, []), hf, gpus
+
+
+def test_the_host_memory_of_a_node_holds_the_engines_weights_the_offloaded_state_and_a_saves_staging(capsys):
+    """The 7B recipe on one node: vLLM at sleep_level 1 keeps the engine's weights in pinned host memory (cached
+    between sleeps), rollout.offload_actor moves the optimizer share there while generating (pinned as well), and
+    a save stages the rank's share on top; `plan` prints it with the --mem to ask."""
+    cfg, hf, gpus = recipe_plan("dapo_qwen2.5_7b_h100.yaml")
+    host = plan_memory(cfg, hf, 80, gpus=gpus).host
+    held = {line.name: line.bytes for line in host.held}
+    stage = stage_params(cfg, hf, gpus=gpus)  # TP 2: a rank's parameters; DP 4 shards the optimizer
+    assert held["engine weights (vllm sleep_level 1)"] == pytest.approx(8 * ModelShape.from_hf(hf).total_params() * 2)
+    assert held["optimizer state (rollout.offload_actor)"] == pytest.approx(8 * stage / 4 * 12)
+    assert held["the processes"] == 8 * 4 * GIB
+    assert held["verifier workers"] == pytest.approx(8 * 7 * 0.25 * GIB)  # --cpus-per-task 8 less one, each rank
+    passing = {line.name: line.bytes for line in host.passing}
+    assert passing["a save's staging"] == pytest.approx(8 * stage / 4 * (12 + 2))  # its optimizer share, its weights
+    assert host.largest_passing.name == "a save's staging"
+    assert host.peak == pytest.approx(sum(held.values()) + passing["a save's staging"])
+    assert host.mem_gib % 16 == 0 and 1.1 * host.peak <= host.mem_gib * GIB < 1.1 * host.peak + 16 * GIB
+    plan_command(str(REPO / "examples/dapo_qwen2.5_7b_h100.yaml"), [], 80, str(QWEN_7B), gpus=8)
+    out = capsys.readouterr().out
+    assert (
+        f"host memory a node: {host.peak / GIB:.0f} GiB (8 GPU processes; held throughout: engine weights (vllm "
+        "sleep_level 1) 113 + optimizer state (rollout.offload_actor) 85 + the processes 32 + verifier workers 14; "
+        "on top, at most a save's staging 99 GiB; the page cache is not counted)"
+    ) in out
+    assert f"sbatch: --mem={host.mem_gib}G" in out
+
+
+def test_the_host_memory_counts_cpu_offload_state_and_not_twice_the_engines_that_keep_no_copy():
+    cfg, hf, gpus = recipe_plan("dapo_qwen3_30b_a3b_h100.yaml")  # optimizer.cpu_offload, offload_fraction 1
+    plan = plan_memory(cfg, hf, 80, gpus=gpus)
+    held = {line.name: line.bytes for line in plan.host.held}
+    assert held["optimizer state (optimizer.cpu_offload)"] == pytest.approx(8 * sum(x.bytes for x in plan.host_lines))
+    assert "optimizer state (rollout.offload_actor)" not in held  # the hybrid optimizer's state is on the host already
+    half = load_config(REPO / "examples/dapo_qwen3_30b_a3b_h100.yaml", ["optimizer.offload_fraction=0.5"])
+    held_half = {line.name for line in plan_memory(half, hf, 80, gpus=8).host.held}
+    assert "optimizer state (rollout.offload_actor)" not in held_half  # offload_actor leaves its GPU share there
+    engine_tp4 = ModelShape.from_hf(hf).total_params() * 2 / 4
+    assert held["engine weights (vllm sleep_level 1)"] == pytest.approx(8 * engine_tp4)
+    for engine, sleep in (("sglang", 1), ("vllm", 2)):  # their weights are freed, not copied (the push refreshes them)
+        overrides = [f"rollout.engine={engine}", f"rollout.sleep_level={sleep}"]
+        other = plan_memory(load_config(REPO / "examples/dapo_qwen3_30b_a3b_h100.yaml", overrides), hf, 80, gpus=8)
+        assert not any(line.name.startswith("engine") for line in other.host.held)
+    assert plan_memory(config("parallel.device=cpu"), qwen_7b(), 80, gpus=8).host is None  # all host on the CPU
+
+
+def test_routing_replay_adds_the_rounds_experts_to_the_rollout_data():
+    cfg, hf, gpus = recipe_plan("dapo_qwen3_30b_a3b_h100.yaml")
+    data = [
+        next(line for line in plan_memory(c, hf, 80, gpus=gpus).host.passing if line.name == "rollout data of a step")
+        for c in (cfg, load_config(REPO / "examples/dapo_qwen3_30b_a3b_h100.yaml", ["model.routing_replay=rollout"]))
+    ]
+    # a replica's round: 1536 prompts x 16 / 2 replicas x (1024 + 8192) tokens, 48 layers x top-8 bytes over TP 4
+    round_tokens = 1536 * 16 / 2 * (1024 + 8192)
+    assert data[1].bytes - data[0].bytes == pytest.approx(8 * round_tokens * 48 * 8 / 4)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_MODELS))
+def test_each_recipes_sbatch_line_asks_the_host_memory_its_plan_prints(recipe):
+    cfg, hf, gpus = recipe_plan(recipe)
+    header = (REPO / "examples" / recipe).read_text().split("\nname:")[0]
+    asked = re.search(r"sbatch .*--mem=(\d+)G", header)
+    assert asked and int(asked.group(1)) == plan_memory(cfg, hf, 80, gpus=gpus).host.mem_gib, header[:600]

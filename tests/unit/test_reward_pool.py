@@ -155,20 +155,3 @@ def test_a_pace_that_outruns_the_budget_is_said_at_the_first_checks_and_progress
     assert "raise algorithm.reward.timeout_per_answer_s to" in said[0].getMessage()
     assert notes and notes[0][1].startswith("verifying 1/30 answers")
     assert any(text.startswith("verifying 14/30") for _, text in notes)
-
-
-def test_a_long_part_of_a_step_is_noted_in_a_file_log_at_most_once_a_minute(monkeypatch, caplog):
-    import logging
-
-    from dapo_mcore.utils import progress
-
-    caplog.set_level(logging.INFO, logger=progress.log.name)
-    clock = [1000.0]
-    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
-    with progress.RunProgress(enabled=False, total_steps=3):
-        for seconds in (0, 10, 59, 61, 130):
-            clock[0] = 1000.0 + seconds
-            progress.note(f"verifying at {seconds} s")
-    lines = [r.getMessage() for r in caplog.records if "verifying" in r.getMessage()]
-    assert lines == ["step 1: verifying at 0 s", "step 1: verifying at 61 s", "step 1: verifying at 130 s"]
-    assert progress._note_observers == []
