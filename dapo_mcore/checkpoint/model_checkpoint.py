@@ -22,6 +22,7 @@ import torch
 
 from dapo_mcore.checkpoint.hf_io import copy_hf_files
 from dapo_mcore.config.model_spec import ModelSpec
+from dapo_mcore.mcore.mcore_compat import save_files_problem
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.utils.errors import CheckpointError
 
@@ -177,9 +178,9 @@ def verify_complete(ckpt: Path, checksums: bool = False, share: tuple[int, int] 
     if not manifest.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: no {MANIFEST} (the save did not finish)")
     files = read_manifest(ckpt)
-    for needed in ("metadata.json", ".metadata", "common.pt"):
-        if needed not in files:
-            raise CheckpointError(f"checkpoint {ckpt} has no {needed}: not a complete distributed checkpoint")
+    problem = save_files_problem(files)  # its files differ between Megatron-Core releases
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt} {problem}")
     for name, entry in files.items():
         path = ckpt / name
         if not path.is_file():

@@ -122,12 +122,16 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-# Warnings Megatron-Core 0.16 raises on every run that say nothing about the run itself.
+# Warnings Megatron-Core 0.16 to 0.19 raises on every run that say nothing about the run itself.
 _BENIGN_WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
     (UserWarning, r"full scope is deprecated"),
     # its checkpoint loader calls torch's deprecated name, on every resume
     (FutureWarning, r"`load_state_dict` is deprecated"),
+    # Megatron-Core 0.19 imports these modules on every run (0.16.1 did not): absl-py is not its dependency, and
+    # the multimodal model's config is not one the project uses (mcore/mcore_compat.py lists them)
+    (UserWarning, r"absl\.logging is not installed"),
+    (UserWarning, r"MimoModelConfig is experimental"),
 )
 # ... and those that are expected in the CPU mode (no Apex / Transformer Engine there by design).
 _CPU_MODE_WARNINGS = (

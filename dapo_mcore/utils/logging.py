@@ -33,6 +33,7 @@ _SAVE_READING_WARNINGS = (
     (UserWarning, r"(Transformer Engine and Apex|Apex) (are|is) not installed"),
     (FutureWarning, r"`load_state_dict` is deprecated"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    (UserWarning, r"absl\.logging is not installed"),  # Megatron-Core 0.19 imports it on every run
 )
 
 

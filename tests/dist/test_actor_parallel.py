@@ -105,6 +105,23 @@ LLAMA_RUNS = [
 ]
 
 
+# The tests Megatron-Core's other end of the window runs (tests/dist/test_mcore_window.py: 0.19.2 on Python 3.12),
+# and their runs: when only those are selected, the module makes only these (two launches, not the whole list).
+WINDOW_TESTS = (
+    "test_layout_matches_the_single_process_run[tp2]",
+    "test_layout_matches_the_single_process_run[pp2]",
+    "test_distributed_optimizer_step_matches_the_single_process_step",
+)
+WINDOW_RUNS = [
+    (1, SINGLE),
+    (2, {"tp": 2}),
+    (2, {"pp": 2}),
+    (1, {"optimizer_step": True}),
+    (2, {"optimizer_step": True, "dist_opt": True}),
+    (2, {"tp": 2, "optimizer_step": True, "dist_opt": True}),
+]
+
+
 VPP_RUNS = [(1, {}), (2, {"pp": 2, "vpp": 2}), (4, {"tp": 2, "pp": 2, "vpp": 2, "max_tokens": 48}),
             (2, {"pp": 2, "vpp": 2, "packing": "mask"})]  # fmt: skip
 TIED_RUNS = [(1, {}), (4, {"tp": 2, "pp": 2})]
@@ -124,10 +141,14 @@ def tied_model(tmp_path_factory) -> Layouts:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory, vpp_model, tied_model) -> Layouts:
+def llama(request, tmp_path_factory, vpp_model, tied_model) -> Layouts:
     """The main model; its runs and the other models' are made together when the module starts."""
     out = tmp_path_factory.mktemp("layouts")
     layouts = Layouts(save_tiny_model(out / "hf", "llama", layers=2), out)
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    if selected <= set(WINDOW_TESTS):
+        prefetch([(layouts, *run) for run in WINDOW_RUNS])
+        return layouts
     wanted = [(layouts, *run) for run in LLAMA_RUNS] + [(vpp_model, *run) for run in VPP_RUNS]
     prefetch(wanted + [(tied_model, *run) for run in TIED_RUNS])
     return layouts

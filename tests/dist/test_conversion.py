@@ -34,17 +34,20 @@ def all_tensors(hf_dir):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict:
+def converted(request, tmp_path_factory) -> dict:
     """Each family's tiny HF model converted to mcore, and check_conversion at TP=1 and at TP=2 run once over
     all of them (one run each: the start-up is paid once): {family: (hf_dir, mcore_dir)}, and "tp1" / "tp2":
-    the tool's output."""
+    the tool's output. Only the families of the tests selected (tests/dist/test_mcore_window.py selects some)."""
+    selected = {item.callspec.id for item in request.session.items if item.module is request.module
+                and hasattr(item, "callspec")}  # fmt: skip
+    families = [(family, tie, dtype) for family, tie, dtype in FAMILIES if family in selected]
     out = {}
-    for family, tie, dtype in FAMILIES:
+    for family, tie, dtype in families:
         tmp = tmp_path_factory.mktemp(family)
         hf = save_tiny_model(tmp / "hf", family, tie=tie, dtype=dtype)  # converted at config.json's dtype
         tool("convert_hf_to_mcore.py", hf, tmp / "mcore")
         out[family] = (hf, tmp / "mcore")
-    pairs = [str(path) for family, _, _ in FAMILIES for path in out[family]]
+    pairs = [str(path) for family, _, _ in families for path in out[family]]
     out["tp1"] = tool("check_conversion.py", *pairs, "--tp", 1).stdout
     out["tp2"] = tool("check_conversion.py", *pairs, "--tp", 2).stdout
     return out
