@@ -16,9 +16,9 @@ import torch
 
 from dapo_mcore.algo.losses import LossSettings
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
-from dapo_mcore.checkpoint.hf_io import load_hf_weights
+from dapo_mcore.checkpoint.hf_io import check_weight_dtypes, load_hf_weights
 from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
-from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, read_run_state
+from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, layout_of, read_resume_state
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import changes_the_experiment, config_changes, config_to_dict, describe_change
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
@@ -27,7 +27,7 @@ from dapo_mcore.data.batching import DataParallelSplit
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts, source_fingerprint
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
 from dapo_mcore.data.types import NO_EXPERT, Prompt
-from dapo_mcore.launch import check_all_reduce, check_this_task, path_problems, raise_shared, room_problem
+from dapo_mcore.launch import agreed, check_all_reduce, check_this_task, path_problems, raise_shared, room_problem
 from dapo_mcore.mcore.actor import (
     ActorSettings,
     MegatronActor,
@@ -66,7 +66,7 @@ from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 from dapo_mcore.rollout.validation import EvalSettings, Validator
-from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunLockError
+from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunFilesError, RunLockError, os_reason
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger, setup_logging
 from dapo_mcore.utils.metrics_log import MetricsWriter, WandbOptions, roll_back_metrics
@@ -133,6 +133,10 @@ def build_run(cfg: RunConfig) -> Run:
     check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation
     check_moe_training_layout(spec, tp, par.sequence_parallel)
     check_routing_replay(cfg, spec)
+    if cfg.model.init == "hf":  # the weights' dtypes, from their headers: before an engine loads them
+        note = check_weight_dtypes(cfg.model.hf_path, model_config)
+        if note is not None and int(os.environ.get("RANK", "0")) == 0:
+            log.warning(note)
     check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
@@ -210,7 +214,8 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
     checkpoints.remove_partials()  # the lock is held: no live run is writing them
     resume = find_resume(cfg, checkpoints, run_dir, spec)
     tokenizer = load_tokenizer(cfg.model.hf_path)
-    prompts = build_prompt_setup(cfg, tokenizer, spec)
+    # every rank reads the data: a file one host sees otherwise stops every rank alike (agreed)
+    prompts = agreed(lambda: build_prompt_setup(cfg, tokenizer, spec))
     use_te = resolve_transformer_impl(cfg.model.transformer_impl, ctx.is_cpu, cfg.model.fp8)
     settings = actor_settings(cfg, pad_id=tokenizer.pad_token_id, use_te=use_te)
     engine = start_engine(cfg, ctx, spec)
@@ -616,22 +621,33 @@ def load_tokenizer(hf_path: str) -> Any:
 
 def find_resume(cfg: RunConfig, checkpoints: CheckpointManager, run_dir: Path, spec: ModelSpec) -> Resume | None:
     """The save named by checkpoint.resume (none / auto / force / a path), with its run state; the same on every rank.
-    Checked against the configured model before the run directory or any weight is touched."""
+    Checked against the configured model before the run directory or any weight is touched. Every rank reads the
+    files; a refusal any rank meets (a file its host does not see) is every rank's (launch.agreed)."""
     choice = cfg.checkpoint.resume
     if choice == "none":
-        problem = earlier_saves_problem(checkpoints.root, run_dir)
-        if problem:
-            raise CheckpointError(problem)
+        agreed(lambda: _refuse(earlier_saves_problem(checkpoints.root, run_dir)))
         return None
     newest = choice in ("auto", "force")
     path = checkpoints.latest_complete() if newest else checkpoints.verified(Path(choice))
     if path is None:
-        if problem := no_intact_save_problem(choice, checkpoints.root):
-            raise CheckpointError(problem)
+        agreed(lambda: _refuse(no_intact_save_problem(choice, checkpoints.root)))
         log.info("checkpoint.resume=%s: no complete save in %s, starting from step 0", choice, checkpoints.root)
         return None
-    resume = Resume(path, read_run_state(path, spec))
+    resume = agreed(lambda: resume_from(cfg, path, spec, layout_of(checkpoints.ctx)))
     log.info("resuming from %s at step %d", path, resume.step)
+    return resume
+
+
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise CheckpointError(problem)
+
+
+def resume_from(cfg: RunConfig, path: Path, spec: ModelSpec, layout: dict[str, int] | None) -> Resume:
+    """The save `path` as a run at `layout` resumes it: every check made before a weight is read
+    (read_resume_state: the model, the optimizer's layout, the save's own files) and the config's changes since the
+    save (check_config_changes). `dapo-mcore check` runs this same function for the job's layout."""
+    resume = Resume(path, read_resume_state(path, spec, layout))
     check_config_changes(cfg, resume)
     return resume
 
@@ -701,19 +717,35 @@ def prepare_run_dir(
     run that fails to start leaves the directory as it found it."""
     if resume is not None:
         checkpoints.set_aside_after(resume.step)
+    failure = None
     if ctx.rank == 0:
-        if resume is not None:
-            rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step + 1)  # row N: N updates done
-            if rolled_back:
-                log.warning("%d metric rows after step %d moved to metrics.rolled_back.jsonl", rolled_back, resume.step)
-            if (run_dir / "config.yaml").exists():
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-resume-{stamp}.yaml")
-        elif (run_dir / "metrics.jsonl").exists():
-            kept = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(str(run_dir), str(kept))
-            log.warning("run directory %s held an earlier run; moved it to %s", run_dir, kept)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
-        log.info("run directory: %s", run_dir)
-    torch.distributed.barrier()
+        try:
+            _prepare_run_dir_files(cfg, run_dir, resume)
+        except OSError as err:  # a read-only or full file system, a quota, no permission
+            where = err.filename if err.filename is not None else run_dir
+            failure = (
+                f"logging.run_dir {run_dir}: cannot write {where} ({os_reason(err)}); choose a logging.run_dir "
+                "where this job can write"
+            )
+    failure = broadcast_object(failure, src=0)  # (as the barrier it replaces: every rank waits for the directory)
+    if failure is not None:
+        error = RunFilesError(failure)
+        error.same_on_every_rank = True  # every rank raises rank 0's line: printed once
+        raise error
+
+
+def _prepare_run_dir_files(cfg: RunConfig, run_dir: Path, resume: Resume | None) -> None:
+    if resume is not None:
+        rolled_back = roll_back_metrics(run_dir / "metrics.jsonl", resume.step + 1)  # row N: N updates done
+        if rolled_back:
+            log.warning("%d metric rows after step %d moved to metrics.rolled_back.jsonl", rolled_back, resume.step)
+        if (run_dir / "config.yaml").exists():
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            shutil.copy2(run_dir / "config.yaml", run_dir / f"config.before-resume-{stamp}.yaml")
+    elif (run_dir / "metrics.jsonl").exists():
+        kept = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(run_dir), str(kept))
+        log.warning("run directory %s held an earlier run; moved it to %s", run_dir, kept)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    log.info("run directory: %s", run_dir)

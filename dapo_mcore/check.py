@@ -8,8 +8,10 @@ tokenizer files, a writable checkpoint directory, Transformer Engine where the c
 engine's package and its support for this model on the job's device, routing replay, every row of the prompt
 and held-out files (read by the run's own loaders), the prompts' lengths against the model's positions and
 the prompt budget (train's own prompt setup), a live run holding the run directory, the save a resume would
-take (a config that changes the experiment since it, a data file changed since it), and, on a GPU job, the
-per-GPU memory plan (`dapo-mcore plan`).
+take and every check train makes of it before reading weights, through the same functions (build.resume_from:
+the model, its optimizer state at the job's layout, the files of its own its records list; a config that changes
+the experiment since it, a data file changed since it, the groups it holds, every replica's file of them), and,
+on a GPU job, the per-GPU memory plan (`dapo-mcore plan`).
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from dapo_mcore.build import (
-    Resume,
     build_prompt_setup,
-    check_config_changes,
     check_routing_replay,
     earlier_saves_problem,
     load_tokenizer,
     no_intact_save_problem,
+    resume_from,
 )
 from dapo_mcore.checkpoint.hf_io import weights_problems
-from dapo_mcore.checkpoint.run_checkpoint import find_latest_complete, read_run_state
+from dapo_mcore.checkpoint.run_checkpoint import (
+    find_latest_complete,
+    layout_for,
+    read_own_file,
+    verify_all_but_shards,
+)
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
 from dapo_mcore.config.validate import checkpoint_dir_of, config_problems, eval_file_list, run_dir_of
@@ -46,7 +52,9 @@ from dapo_mcore.parallel import check_layout
 from dapo_mcore.plan import default_gpus, plan_memory
 from dapo_mcore.rewards.pool import resolve_verifier
 from dapo_mcore.rollout.model_info import hf_weight_shapes
+from dapo_mcore.rollout.pending import check_saved_files
 from dapo_mcore.rollout.registry import engine_problem, engine_version
+from dapo_mcore.rollout.saved_groups import saved_groups
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import quiet_save_reading
@@ -99,7 +107,7 @@ def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     if spec is not None and not files and len(report.problems) == known:  # rows readable: train's own prompt setup
         prompts = report.attempt(lambda: build_prompt_setup(cfg, load_tokenizer(cfg.model.hf_path), spec))
     if spec is not None:
-        report.attempt(lambda: check_run_dir(report, cfg, spec, prompts))
+        report.attempt(lambda: check_run_dir(report, cfg, spec, prompts, world))
     if model_config is not None and device != "cpu":
         report.attempt(lambda: check_memory(report, cfg, model_config, gpu_gb, world))
     return report
@@ -188,18 +196,24 @@ def check_data(report: CheckReport, cfg: RunConfig, model_read: bool) -> None:
     report.facts.append(f"saves to {checkpoint_dir_of(cfg)}")
 
 
-def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts: Any) -> None:
+def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts: Any, world: int) -> None:
     """What `train` will do with the run directory: start, resume at step N, or move an earlier run aside; what
-    it refuses there, through train's own code: a live run holding the directory, a resume whose data file
-    changed since the save (`prompts`: build_prompt_setup's, None where it failed)."""
+    it refuses there, through train's own code: a live run holding the directory, the save a resume would take
+    (found as train finds it, but with the CRC-32 of every file except the weight and optimizer shards), every check
+    train makes of it before reading weights at the job's layout of `world` processes (resume_from: the model, the
+    optimizer state's layout, the save's own files, the config's changes), a data file changed since the save
+    (`prompts`: build_prompt_setup's, None where it failed) and the groups the save holds."""
     run_dir, resume = run_dir_of(cfg), cfg.checkpoint.resume
-    if (held := RunLock(run_dir, cfg.logging.lock_stale_after_s).live_holder_problem()) is not None:
-        report.problems.append(held)
+    lock = RunLock(run_dir, cfg.logging.lock_stale_after_s)
+    for problem in (lock.live_holder_problem(), lock.write_problem()):  # as train's lock would meet them
+        if problem is not None:
+            report.problems.append(problem)
     save = None
     if resume in ("auto", "force"):
-        save = find_latest_complete(checkpoint_dir_of(cfg))
+        save = find_latest_complete(checkpoint_dir_of(cfg), verify=verify_all_but_shards)
     elif resume != "none" and Path(resume).is_dir():
         save = Path(resume)
+        verify_all_but_shards(save)  # train's refusal of a named save that is incomplete or damaged
     if resume == "none" and (problem := earlier_saves_problem(checkpoint_dir_of(cfg), run_dir)):
         report.problems.append(problem)
         return
@@ -212,11 +226,11 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts:
         return
     if save is not None:
         with quiet_save_reading():  # reading its common state imports Megatron-Core
-            state = read_run_state(save, spec)
-        check_config_changes(cfg, Resume(save, state))  # resume=auto refuses another experiment
+            state = resume_from(cfg, save, spec, job_layout(cfg, world)).run_state
         if prompts is not None:  # the data position the save holds, checked against the file as train checks it
             stream = PromptStream(prompts.source, cfg.data.seed, prompts.fingerprint, cfg.data.allow_changed_data)
             stream.load_state_dict(state["sampler"]["prompts"])
+        check_saved_groups(save, state, spec)
         report.facts.append(f"resumes {save} at step {state['step']} of {cfg.trainer.steps}")
     elif (run_dir / "metrics.jsonl").exists():
         report.facts.append(
@@ -227,6 +241,35 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts:
         )
     else:
         report.facts.append(f"starts at step 0 in {run_dir}")
+
+
+def job_layout(cfg: RunConfig, world: int) -> dict[str, int] | None:
+    """The layout a job of `world` processes runs at, as its saves record it; None where the layout does not fit
+    the world (check_model names that)."""
+    par = cfg.parallel
+    tp, pp, vpp = (
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        par.virtual_pipeline_model_parallel_size,
+    )
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    try:
+        dp = check_layout(world, tp, pp, vpp, ep, etp)
+    except DapoError:
+        return None
+    return layout_for(tp, pp, vpp, dp, ep, etp)
+
+
+def check_saved_groups(save: Path, state: dict[str, Any], spec: ModelSpec) -> None:
+    """The groups a save holds, checked as the resumed run's sampler checks them (RolloutSampler.load_state_dict):
+    the carried-over ones, and partial rollout's unfinished ones, every replica's file (a resumed rank reads only
+    its replica's)."""
+    sampler, step = state["sampler"], int(state["step"])
+    saved_groups(sampler["carry"], "carried", step, vocab_size=spec.vocab_size)
+    if "pending" in sampler:
+        check_saved_files(sampler["pending"], lambda name: read_own_file(save, name), step, spec.vocab_size)
+    else:  # saves before the groups had owners held them in the run state
+        saved_groups(sampler.get("unfinished", []), "unfinished", step, vocab_size=spec.vocab_size)
 
 
 def check_memory(report: CheckReport, cfg: RunConfig, model_config: dict[str, Any], gpu_gb: float, gpus: int):

@@ -26,7 +26,13 @@ from dapo_mcore.utils.errors import DapoError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_mcore.launch import RESUME_EXIT_CODE, StoppedToResume, claim_first_error, install_stop_handlers
+    from dapo_mcore.launch import (
+        RESUME_EXIT_CODE,
+        StoppedToResume,
+        claim_first_error,
+        install_stop_handlers,
+        leave_with_exit_code,
+    )
     from dapo_mcore.utils.processes import Terminated, die_with_launcher, end_children
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
@@ -38,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except DapoError as err:
+        if as_command:
+            leave_with_exit_code()  # a launcher's SIGTERM to the ranks still leaving must not change their code
         first = claim_first_error(err.exit_code, str(err)) if as_command else None
         if first if first is not None else os.environ.get("WORLD_SIZE", "1") == "1" or rank == "0":
             print(f"dapo-mcore: error: {err}", file=sys.stderr)
@@ -465,10 +473,12 @@ def _check(args: argparse.Namespace) -> int:
     from dapo_mcore.check import check_run, format_report
     from dapo_mcore.config import load_config
     from dapo_mcore.utils.errors import ConfigError
+    from dapo_mcore.versions import version_line
 
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"check: --gpus must be >= 1, got {args.gpus}")
     report = check_run(load_config(args.config, args.overrides), args.gpus, args.gpu_gb)
+    report.facts.insert(0, version_line())  # the set of versions found, and whether each is a tested one
     print(format_report(args.config, report), file=sys.stderr if report.problems else sys.stdout)
     return 2 if report.problems else 0
 

@@ -37,6 +37,7 @@ Slurm's warning.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -48,13 +49,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from dapo_mcore.utils.errors import PreflightError
+from dapo_mcore.utils.errors import DapoError, PreflightError
 from dapo_mcore.utils.logging import get_logger
 from dapo_mcore.utils.processes import Terminated
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 # slurm/train.sbatch creates this file when Slurm warns of the time limit. A file, not a signal passed on to
 # the tasks: Slurm signals every process of a job step, and the engine's or the verifiers' worker processes
@@ -227,6 +229,15 @@ def claim_first_error(exit_code: int, message: str) -> bool | None:
     with os.fdopen(fd, "w") as fh:
         fh.write(record)
     return True
+
+
+def leave_with_exit_code() -> None:
+    """This process (the run) is leaving with an error's exit code: SIGTERM is ignored from here on. torchrun ends
+    the other workers with SIGTERM as soon as the first one exits, and a rank that had raised the same refusal and
+    was still tearing down died of it (while Python finalizes, the default action is back): its summary listed that
+    rank with exit code -15 beside the others' 2. (A hang in the teardown still ends: the launchers' SIGKILL.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 0)  # an earlier SIGTERM's grace timer
 
 
 def cancel_grace() -> None:
@@ -507,6 +518,66 @@ def raise_shared(problems: list[str]) -> list[str]:
         err.same_on_every_rank = True
         raise err
     return list(hosts)
+
+
+class PeerFailed(DapoError):
+    """A check that every rank runs (agreed) raised something other than a DapoError on another rank (a bug, an
+    OSError): that rank prints its traceback; this one stops with a line naming it instead of failing in the next
+    collective with a transport error."""
+
+    same_on_every_rank = False
+    exit_code = 1  # what the rank with the traceback exits with
+
+
+def agreed(check: Callable[[], T], group: Any = None) -> T:
+    """Collective over `group` (default: every rank): run `check`, a check of the start or the resume that one rank
+    may fail alone (a file of its own in the save, its share of the run state, a file its host sees otherwise),
+    and agree on the outcome. When it raised a DapoError on any rank, every rank raises the first such rank's
+    error, same class and message (same_on_every_rank: printed once, the same exit code everywhere); a rank that
+    went on alone used to die in the next collective with gloo's "Connection closed by peer" traceback (exit 1),
+    which torchrun then named as the root cause. Another exception is raised, traceback and all, on its rank, and
+    as PeerFailed naming it on the others. Returns `check`'s result."""
+    from dapo_mcore.parallel import all_gather_objects
+
+    result, own, outcome = None, None, None
+    try:
+        result = check()
+    except DapoError as err:
+        own, outcome = err, ("refused", _shareable_class(type(err)), str(err), err.exit_code)
+    except Exception as err:  # re-raised below, on this rank, once every rank knows
+        own, outcome = err, ("failed", f"{type(err).__name__}: {' '.join(str(err).split())[:300]}")
+    outcomes = all_gather_objects(outcome, group=group)
+    first = next((rank for rank, found in enumerate(outcomes) if found is not None), None)
+    if first is None:
+        return result
+    kind, *found = outcomes[first]
+    if outcomes[first] == outcome and own is not None:  # this rank's own error is the one (its traceback kept)
+        if isinstance(own, DapoError):
+            own.same_on_every_rank = True
+        raise own
+    if own is not None and not isinstance(own, DapoError):
+        log.error("this rank failed too, after rank %d: %s", first, outcome[1], exc_info=own)
+    if kind == "failed":
+        raise PeerFailed(f"rank {first} failed: {found[0]} (its traceback is in its output)")
+    raise _same_error(*found) from None
+
+
+def _shareable_class(cls: type[DapoError]) -> type[DapoError]:
+    """The error's class where every rank can unpickle it (a module's own), else DapoError."""
+    try:
+        pickle.loads(pickle.dumps(cls))
+    except Exception:
+        return DapoError
+    return cls
+
+
+def _same_error(cls: type[DapoError], message: str, exit_code: int) -> DapoError:
+    try:
+        err = cls(message)
+    except Exception:  # a class that takes other arguments: its message and exit code on a plain DapoError
+        err = DapoError(message)
+    err.same_on_every_rank, err.exit_code = True, exit_code
+    return err
 
 
 def check_all_reduce(device: Any, timeout_s: float) -> str:

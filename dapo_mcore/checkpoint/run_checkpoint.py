@@ -28,6 +28,7 @@ import functools
 import pickle
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from dapo_mcore.checkpoint.model_checkpoint import (
     format_record,
     model_sharded_state_dict,
     read_common,
+    read_manifest,
     verify_complete,
     write_manifest,
 )
@@ -61,9 +63,10 @@ from dapo_mcore.checkpoint.writer_processes import (
     writer_results_queue_dies_with_us,
 )
 from dapo_mcore.config.model_spec import ModelSpec
-from dapo_mcore.mcore.mcore_compat import sync_offloaded_optimizer_after_load
+from dapo_mcore.mcore.mcore_compat import save_in_background, sync_offloaded_optimizer_after_load
 from dapo_mcore.mcore.sharding import unwrap
 from dapo_mcore.parallel.state import ParallelContext, all_gather_objects, broadcast_object, on_rank0
+from dapo_mcore.rollout.pending import listed_files
 from dapo_mcore.utils.errors import CheckpointError
 from dapo_mcore.utils.logging import get_logger
 
@@ -93,9 +96,14 @@ def _rng_object(ctx: ParallelContext) -> Any:
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
-    layout = {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "dp": ctx.dp_size}
-    if ctx.ep_size > 1 or ctx.etp_size != ctx.tp_size:  # (a dense model's layout reads as before)
-        layout.update(ep=ctx.ep_size, etp=ctx.etp_size)
+    return layout_for(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.ep_size, ctx.etp_size)
+
+
+def layout_for(tp: int, pp: int, vpp: int, dp: int, ep: int = 1, etp: int = 0) -> dict[str, int]:
+    """A layout as a save records it (etp 0: the same as tp); `check` computes the one a job will have."""
+    layout = {"tp": tp, "pp": pp, "vpp": vpp, "dp": dp}
+    if ep > 1 or (etp or tp) != tp:  # (a dense model's layout reads as before)
+        layout.update(ep=ep, etp=etp or tp)
     return layout
 
 
@@ -179,9 +187,7 @@ class CheckpointManager:
         finish = functools.partial(self._complete, tmp, final, start, own_crcs)
         strategy = self._save_strategy()
         if self._async_queue is not None and background:
-            request = dist_checkpointing.save(
-                state, str(tmp), strategy, validate_access_integrity=False, async_sharded_save=True
-            )
+            request = save_in_background(state, str(tmp), strategy)
             request.add_finalize_fn(finish)
             self._async_queue.schedule_async_request(request)
             self._writing = (tmp, final)
@@ -465,12 +471,49 @@ class CheckpointManager:
         return {**common["run"], "step": common["format"]["step"]}
 
 
-def read_run_state(path: Path, spec: ModelSpec) -> dict[str, Any]:
-    """The run state of a save (its step, data position, sampler state, logger run id), after checking the
-    save holds the model `spec` describes; weights are not read."""
+def read_resume_state(path: Path, spec: ModelSpec, layout: dict[str, int] | None) -> dict[str, Any]:
+    """The run state of the save `path` (its step, data position, sampler state, logger run id) for a run at
+    `layout` (None: not checked) to resume, after every check a resume makes before it reads a weight: a run
+    checkpoint of the model `spec` describes, whose optimizer state reloads at `layout` (refuse_other_layout), and
+    that holds in its manifest every file of its own its records list (partial rollout's unfinished groups, a file
+    per engine replica; the manifest check vouches for their sizes and checksums). The same function in `train`
+    (on every rank, their outcome agreed: build.find_resume) and in `check` (for the job's layout)."""
     common = _run_common_state(path)
-    check_model_spec(common["format"]["model_spec"], spec, path)
-    return {**common["run"], "step": common["format"]["step"]}
+    saved = common["format"]
+    check_model_spec(saved["model_spec"], spec, path)
+    if layout is not None:
+        refuse_other_layout(path, saved["layout"], layout, saved.get("optimizer_format", BEFORE_FORMATS))
+    state = {**common["run"], "step": saved["step"]}
+    pending = state.get("sampler", {}).get("pending")
+    if pending is not None:
+        check_listed_files(path, listed_files(pending))
+    return state
+
+
+def check_listed_files(path: Path, listed: dict[str, str]) -> None:
+    """Each file the save's records say it holds (name -> what it holds) is one of the save's files (in its
+    manifest): a file missing with its manifest entry (deleted by hand, a copy that left it out) was found only by
+    the rank that reads it, halfway through loading, while the others went on into the next collective."""
+    files = read_manifest(path)
+    for name, what in listed.items():
+        if name not in files:
+            there = (
+                "on disk, but not in its manifest" if (path / name).is_file() else "not on disk, not in its manifest"
+            )
+            raise CheckpointError(
+                f"checkpoint {path}: its run state lists {what} in {name}, a file the save does not hold ({there}); "
+                "restore it from a copy of the save, or resume an earlier save (checkpoint.resume=PATH)"
+            )
+
+
+def verify_all_but_shards(ckpt: Path) -> None:
+    """What `check` verifies of a save (on a login node it does not checksum terabytes): every file's size, and
+    the CRC-32 of every file but the weight and optimizer shards (*.distcp): its common state, metadata, files of
+    its own (partial rollout's) and HF assets, the files a damaged copy of which train refuses or skips too."""
+    verify_complete(ckpt)
+    for name, entry in read_manifest(ckpt).items():
+        if not name.endswith(".distcp") and entry["crc32"] is not None and file_crc32(ckpt / name) != entry["crc32"]:
+            raise CheckpointError(f"checkpoint {ckpt} is damaged: {name} fails its CRC-32 check")
 
 
 def read_own_file(path: Path, name: str) -> Any:
@@ -516,13 +559,19 @@ def saves_newest_first(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
 
 
-def find_latest_complete(root: Path, checksums: bool = False) -> Path | None:
-    """The newest save that checks out; every newer one skipped is logged with why. (`latest` names the same
-    save unless a job was killed between a save's rename and the pointer's update: then this one is newer.)
-    One process; CheckpointManager.latest_complete spreads the reading over ranks."""
+def find_latest_complete(
+    root: Path, checksums: bool = False, verify: Callable[[Path], Any] | None = None
+) -> Path | None:
+    """The newest save that checks out (`verify`, else verify_complete with or without checksums); every newer one
+    skipped is logged with why. (`latest` names the same save unless a job was killed between a save's rename and
+    the pointer's update: then this one is newer.) One process; CheckpointManager.latest_complete spreads the
+    reading over ranks."""
     for ckpt in saves_newest_first(root):
         try:
-            verify_complete(ckpt, checksums=checksums)
+            if verify is not None:
+                verify(ckpt)
+            else:
+                verify_complete(ckpt, checksums=checksums)
             return ckpt
         except CheckpointError as err:
             log.warning("skipping %s: %s", ckpt.name, err)

@@ -25,6 +25,10 @@ _UNSUPPORTED_MOE = {
     "deepseek_v3": "multi-latent attention and grouped routing",
     "glm4_moe": "its shared experts and sigmoid routing with a score bias",
 }
+# What config.json's "dtype" (transformers 5) or "torch_dtype" (earlier) may name: transformers turns it into
+# torch.<name> when it reads the file, and an unknown name ended `check` and `train` in an AttributeError
+# traceback ("module 'torch' has no attribute ...") naming neither the file nor the key.
+CONFIG_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,13 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if value is not None and value not in CONFIG_DTYPES:
+            raise ConfigError(
+                f"{path}: {key} {json.dumps(value)} is not a dtype a model can be read in "
+                f"(allowed: {', '.join(CONFIG_DTYPES)})"
+            )
     return config
 
 

@@ -16,6 +16,7 @@ group of 8 shows two of each rather than four draws that may all agree.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -117,8 +118,13 @@ def write_step_file(samples_dir: Path, step: int, rows: list[dict[str, Any]]) ->
         _roll_back_from(samples_dir, step)
     path = step_file(samples_dir, step)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    tmp.replace(path)
+    try:
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        tmp.replace(path)
+    except OSError:  # a full disk or a quota: no partial file left behind (the caller warns, naming the path)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

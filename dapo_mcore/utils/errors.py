@@ -71,4 +71,17 @@ class NonFiniteGradients(DapoError):
 
 
 class RunLockError(DapoError):
-    """Another live run holds the run directory."""
+    """Another live run holds the run directory, or its lock file cannot be made (a read-only or full file
+    system, no permission, a quota): the message names the path."""
+
+
+class RunFilesError(DapoError):
+    """A file of the run directory (config.yaml, metrics.jsonl) cannot be written: the message names the path and
+    the system's reason. Raised by rank 0, which alone writes them."""
+
+    same_on_every_rank = False
+
+
+def os_reason(err: OSError) -> str:
+    """What the system said, without Python's "[Errno N]" and the path: "Read-only file system"."""
+    return err.strerror or str(err)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dapo_mcore.utils.errors import RunFilesError, os_reason
 from dapo_mcore.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -52,8 +53,15 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        try:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        except OSError as err:  # a read-only or full file system, a quota, no permission: the run's record is lost
+            raise RunFilesError(
+                f"cannot write the metrics of step {step} to {self.path} ({os_reason(err)}); the rows before it "
+                "are kept, and so is every complete save: make room (or fix the mount), then run the same "
+                "command again with checkpoint.resume=auto"
+            ) from None
         if self._wandb_run is not None:
             tables, self._pending_tables = self._pending_tables, {}
             try:

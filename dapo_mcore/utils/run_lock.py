@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from dapo_mcore.utils.errors import RunLockError
+from dapo_mcore.utils.errors import RunLockError, os_reason
 from dapo_mcore.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -40,8 +40,12 @@ class RunLock:
         self._beat: threading.Thread | None = None
 
     def acquire(self) -> None:
-        """Take the lock, or raise RunLockError naming the live holder; a dead holder's lock is taken over."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Take the lock, or raise RunLockError naming the live holder (or the path that cannot be written: a
+        read-only mount, no permission, a full disk or quota); a dead holder's lock is taken over."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self._cannot("create", err) from None
         for _ in range(3):  # a lost race for a dead holder's lock is retried
             if self._create():
                 self._start_heartbeat()
@@ -63,6 +67,23 @@ class RunLock:
             return None
         return self._in_use(holder)
 
+    def write_problem(self) -> str | None:
+        """What acquire would meet making the lock file, without making anything (`dapo-mcore check`): the nearest
+        existing folder on the way to it is a file, or a folder this process cannot write in. None when it can."""
+        where = self.path.parent
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            reason = "Not a directory"
+        elif os.access(where, os.W_OK | os.X_OK):
+            return None
+        else:
+            reason = "Read-only file system" if os.statvfs(where).f_flag & os.ST_RDONLY else "Permission denied"
+        return (
+            f"logging.run_dir {self.run_dir}: cannot create its lock file {self.path}: {where} ({reason}); "
+            "choose a logging.run_dir where this job can write"
+        )
+
     def _in_use(self, holder: dict) -> str:
         return (
             f"run directory {self.run_dir} is in use by the run of pid {holder.get('pid')} on host "
@@ -77,7 +98,10 @@ class RunLock:
             self._beat = None
         holder = self._read_holder()
         if holder is not None and _is_me(holder):
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as err:  # left behind, it is taken over as a dead holder's (its pid is gone)
+                log.warning("could not remove the run lock %s (%s)", self.path, os_reason(err))
 
     def _create(self) -> bool:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -86,18 +110,28 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        except OSError as err:  # a read-only mount, no permission, a quota
+            raise self._cannot("create its lock file", err) from None
         try:
             with os.fdopen(fd, "w") as fh:
                 json.dump(record, fh)
         except OSError as err:  # a full disk: an empty lock left behind read later as "in use by pid None"
-            self.path.unlink(missing_ok=True)
-            raise RunLockError(f"could not write the run lock {self.path}: {err}") from None
+            with contextlib.suppress(OSError):
+                self.path.unlink(missing_ok=True)
+            raise self._cannot("write its lock file", err) from None
         return True
+
+    def _cannot(self, what: str, err: OSError) -> RunLockError:
+        where = err.filename if err.filename is not None else self.path
+        return RunLockError(
+            f"logging.run_dir {self.run_dir}: cannot {what} {where} ({os_reason(err)}); "
+            "choose a logging.run_dir where this job can write"
+        )
 
     def _read_holder(self) -> dict | None:
         try:
             holder = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no lock there (none can be: write_problem says why)
             return None
         except (OSError, ValueError):
             holder = {}  # half-written or damaged: judged by its age alone
@@ -127,6 +161,8 @@ class RunLock:
             os.rename(self.path, aside)  # only one of several contenders renames it; the others retry
         except FileNotFoundError:
             return
+        except OSError as err:  # a dead run's lock on a mount that is read-only now
+            raise self._cannot("take over the ended run's lock file", err) from None
         aside.unlink(missing_ok=True)
         log.warning(
             "taking over the lock of run directory %s from pid %s on host %s: %s",

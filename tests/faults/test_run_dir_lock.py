@@ -161,7 +161,7 @@ def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_empty_lock(tmp_
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(json, "dump", full_disk)
-    with pytest.raises(RunLockError, match=r"could not write the run lock .*No space left on device"):
+    with pytest.raises(RunLockError, match=r"cannot write its lock file .*No space left on device"):
         RunLock(run_dir).acquire()
     assert not lock_path(run_dir).exists()
     monkeypatch.undo()
