@@ -1,6 +1,7 @@
 # Quick start: `make demo` (set-up + the CPU demo run) and `make test` (set-up + the test suite).
-# Both create .venv on first use. On a GPU cluster, install into your container's Python instead
-# (pip install -e '.[gpu,vllm]') and launch with torchrun/srun (see slurm/README.md).
+# Both create .venv on first use. On a GPU cluster, install one tested set into your Python 3.12 instead
+# (docs/gpu.md; the recommended: pip install -c requirements/torch2.11-vllm0.26.txt -e '.[vllm]', then its
+# Transformer Engine line) and launch with torchrun/srun (see slurm/README.md).
 
 VENV ?= .venv
 PYTHON ?= python3

