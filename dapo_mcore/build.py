@@ -122,12 +122,7 @@ def build_run(cfg: RunConfig) -> Run:
     setup_logging(int(os.environ.get("RANK", "0")))
     validate(cfg)
     par = cfg.parallel
-    tp, pp, vpp = (
-        par.tensor_model_parallel_size,
-        par.pipeline_model_parallel_size,
-        par.virtual_pipeline_model_parallel_size,
-    )
-    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    tp, pp, vpp, ep, etp = par.model_layout()
     model_config = load_hf_config(cfg.model.hf_path)
     spec = read_model_spec(model_config)
     check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation

@@ -246,13 +246,7 @@ def check_run_dir(report: CheckReport, cfg: RunConfig, spec: ModelSpec, prompts:
 def job_layout(cfg: RunConfig, world: int) -> dict[str, int] | None:
     """The layout a job of `world` processes runs at, as its saves record it; None where the layout does not fit
     the world (check_model names that)."""
-    par = cfg.parallel
-    tp, pp, vpp = (
-        par.tensor_model_parallel_size,
-        par.pipeline_model_parallel_size,
-        par.virtual_pipeline_model_parallel_size,
-    )
-    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    tp, pp, vpp, ep, etp = cfg.parallel.model_layout()
     try:
         dp = check_layout(world, tp, pp, vpp, ep, etp)
     except DapoError:

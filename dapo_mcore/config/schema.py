@@ -95,6 +95,12 @@ class ParallelConfig:
     # timeout_minutes.
     peer_timeout_s: float = 120.0
 
+    def model_layout(self) -> tuple[int, int, int, int, int]:
+        """(TP, PP, VPP, EP, expert TP): what the layout checks and the saves' records take."""
+        return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                self.virtual_pipeline_model_parallel_size, self.expert_model_parallel_size,
+                self.expert_tensor_parallel_size)  # fmt: skip
+
 
 @dataclass
 class SamplingConfig:
