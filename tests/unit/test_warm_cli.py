@@ -121,7 +121,8 @@ def test_a_second_server_for_an_environment_is_a_fork_of_the_zygote_and_a_dead_o
     # and each fork of a run costs its server some; one had 3 CPU-s there.)
     assert zygote == other_zygote != os.getpid()
     assert parent_and_cpu(zygote)[0] == os.getpid()
-    assert parent_and_cpu(zygote)[1] > 5.0  # the zygote paid the imports
+    # the zygote paid the imports (torch, Megatron, transformers: 4.6-7 s of CPU seen; a bare interpreter's 0.05 s)
+    assert parent_and_cpu(zygote)[1] > 2.0
 
     os.kill(servers[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
