@@ -123,6 +123,7 @@ def build_run(cfg: RunConfig) -> Run:
     validate(cfg)
     par = cfg.parallel
     tp, pp, vpp, ep, etp = par.model_layout()
+    cp = par.context_parallel_size
     model_config = load_hf_config(cfg.model.hf_path)
     spec = read_model_spec(model_config)
     check_model_layout(spec, tp, pp, vpp, ep, etp)  # before any process group or allocation
@@ -132,7 +133,7 @@ def build_run(cfg: RunConfig) -> Run:
         note = check_weight_dtypes(cfg.model.hf_path, model_config)
         if note is not None and int(os.environ.get("RANK", "0")) == 0:
             log.warning(note)
-    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp)
+    check_this_task(par.device, int(os.environ.get("WORLD_SIZE", "1")), tp, pp, vpp, ep, etp, cp)
     # reported once every rank joined the group, so that a problem of one node stops all ranks alike
     problems = path_problems(cfg.model.hf_path, cfg.model.init, checkpoint_dir_of(cfg))
     ctx = init_parallel(
@@ -146,6 +147,7 @@ def build_run(cfg: RunConfig) -> Run:
         ep=ep,
         etp=etp,
         peer_timeout_s=par.peer_timeout_s,
+        cp=cp,
     )
     lock = None
     try:

@@ -137,12 +137,13 @@ def check_model(report: CheckReport, cfg: RunConfig, spec: ModelSpec, world: int
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     vpp = par.virtual_pipeline_model_parallel_size
     ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
-    if min(tp, pp, vpp, ep) < 1 or etp < 0:
+    cp = par.context_parallel_size
+    if min(tp, pp, vpp, ep, cp) < 1 or etp < 0:
         return  # the config's checks named it
     report.attempt(lambda: check_model_layout(spec, tp, pp, vpp, ep, etp))
     report.attempt(lambda: check_moe_training_layout(spec, tp, par.sequence_parallel))
     report.attempt(lambda: check_routing_replay(cfg, spec))
-    report.attempt(lambda: check_layout(world, tp, pp, vpp, ep, etp))
+    report.attempt(lambda: check_layout(world, tp, pp, vpp, ep, etp, cp))
 
 
 def user_function_problems(cfg: RunConfig) -> list[str]:
@@ -247,11 +248,12 @@ def job_layout(cfg: RunConfig, world: int) -> dict[str, int] | None:
     """The layout a job of `world` processes runs at, as its saves record it; None where the layout does not fit
     the world (check_model names that)."""
     tp, pp, vpp, ep, etp = cfg.parallel.model_layout()
+    cp = cfg.parallel.context_parallel_size
     try:
-        dp = check_layout(world, tp, pp, vpp, ep, etp)
+        dp = check_layout(world, tp, pp, vpp, ep, etp, cp)
     except DapoError:
         return None
-    return layout_for(tp, pp, vpp, dp, ep, etp)
+    return layout_for(tp, pp, vpp, dp, ep, etp, cp)
 
 
 def check_saved_groups(save: Path, state: dict[str, Any], spec: ModelSpec) -> None:

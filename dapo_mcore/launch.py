@@ -446,12 +446,14 @@ def _clock_time(unix_time: float, fmt: str) -> str:
 # --- Preflight: what would otherwise fail hours into a job, checked before any model allocation ---------------
 
 
-def check_this_task(device: str, world_size: int, tp: int, pp: int, vpp: int, ep: int = 1, etp: int = 0) -> None:
+def check_this_task(
+    device: str, world_size: int, tp: int, pp: int, vpp: int, ep: int = 1, etp: int = 0, cp: int = 1
+) -> None:
     """Before the process group: the layout divides the tasks and this task has its GPU (the same verdict on
     every task of a node, so no task waits for one that stopped)."""
     from dapo_mcore.parallel import check_layout  # here: the CLI imports this module before torch is needed
 
-    check_layout(world_size, tp, pp, vpp, ep, etp)
+    check_layout(world_size, tp, pp, vpp, ep, etp, cp)
     if device == "cpu":
         return
     import torch

@@ -96,14 +96,17 @@ def _rng_object(ctx: ParallelContext) -> Any:
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
-    return layout_for(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.ep_size, ctx.etp_size)
+    return layout_for(ctx.tp_size, ctx.pp_size, ctx.vpp_size, ctx.dp_size, ctx.ep_size, ctx.etp_size, ctx.cp_size)
 
 
-def layout_for(tp: int, pp: int, vpp: int, dp: int, ep: int = 1, etp: int = 0) -> dict[str, int]:
-    """A layout as a save records it (etp 0: the same as tp); `check` computes the one a job will have."""
+def layout_for(tp: int, pp: int, vpp: int, dp: int, ep: int = 1, etp: int = 0, cp: int = 1) -> dict[str, int]:
+    """A layout as a save records it (etp 0: the same as tp; dp without CP); `check` computes the one a job will
+    have. A record without "cp" is CP 1."""
     layout = {"tp": tp, "pp": pp, "vpp": vpp, "dp": dp}
     if ep > 1 or (etp or tp) != tp:  # (a dense model's layout reads as before)
         layout.update(ep=ep, etp=etp or tp)
+    if cp > 1:  # (as ep: a save at CP 1, or one made before CP, reads as before)
+        layout["cp"] = cp
     return layout
 
 

@@ -71,6 +71,11 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int = 1
     # Split activations outside the TP regions along the sequence (needs TP > 1).
     sequence_parallel: bool = False
+    # Context parallelism (CP) of the actor: each sequence split over this many ranks (Megatron's CP groups), for
+    # answers whose activations do not fit one rank; CP ranks hold the same weights, so DP = world / (TP x PP x
+    # CP). Not yet trainable above 1: the groups are built, the actor's sequence split and the loss's sums over
+    # CP ranks are not (train, rehearse and check refuse it; docs/design/context_parallel.md).
+    context_parallel_size: int = 1
     # Mixture-of-experts models: experts split over this many ranks (expert parallelism, EP); the other
     # layers keep TP x PP x DP. EP x expert TP x PP must divide the world size, EP the number of experts.
     expert_model_parallel_size: int = 1
@@ -96,7 +101,8 @@ class ParallelConfig:
     peer_timeout_s: float = 120.0
 
     def model_layout(self) -> tuple[int, int, int, int, int]:
-        """(TP, PP, VPP, EP, expert TP): what the layout checks and the saves' records take."""
+        """(TP, PP, VPP, EP, expert TP): what the layout checks and the saves' records take (with
+        context_parallel_size, passed apart as cp=)."""
         return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                 self.virtual_pipeline_model_parallel_size, self.expert_model_parallel_size,
                 self.expert_tensor_parallel_size)  # fmt: skip

@@ -37,13 +37,15 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_parallel(cfg: RunConfig) -> None:
-    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback); the peer watch's timeout."""
+    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback); the peer watch's timeout;
+    context parallelism, not yet trainable."""
     par = cfg.parallel
     for name in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "virtual_pipeline_model_parallel_size",
         "expert_model_parallel_size",
+        "context_parallel_size",
     ):
         _require(getattr(par, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(par, name)}")
     _require(
@@ -54,6 +56,17 @@ def _check_parallel(cfg: RunConfig) -> None:
         par.peer_timeout_s == 0 or par.peer_timeout_s >= MIN_PEER_TIMEOUT_S,
         f"parallel.peer_timeout_s must be 0 (no watch) or >= {MIN_PEER_TIMEOUT_S:.0f} s, got {par.peer_timeout_s}: "
         f"shorter, a busy host's pause (swapping, a long garbage collection) could end a healthy run",
+    )
+    # Until the actor splits each sequence over its CP ranks and the loss sums per-sequence terms over them
+    # (docs/design/context_parallel.md, section 9 steps 2-5), a run at CP > 1 would train every CP rank on whole
+    # sequences and sum their gradients over DP x CP: wrong, not slow. Here, so that train, rehearse and check
+    # all refuse it in the same line; the groups themselves are built (parallel.init_parallel(cp=)).
+    cp = par.context_parallel_size
+    _require(
+        cp <= 1,
+        f"parallel.context_parallel_size={cp}: the context-parallel groups exist, but the actor's data path (each "
+        "sequence split over the CP ranks) and the loss's sums over CP ranks do not yet; run at "
+        "parallel.context_parallel_size=1 (docs/design/context_parallel.md)",
     )
 
 

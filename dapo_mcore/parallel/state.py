@@ -36,9 +36,12 @@ class ParallelContext:
     pp_size: int
     # Virtual pipeline stages (model chunks) per rank; 1 without interleaving.
     vpp_size: int
+    # Data parallelism without CP: the ranks that hold the same model shard and train other samples; the CP
+    # ranks of one sequence share dp_rank (they receive the same samples and split each sequence).
     dp_rank: int
     dp_size: int
-    # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ep, expt_tp, expt_dp, ...).
+    # Megatron's ProcessGroupCollection (tp, pp, dp, dp_cp, cp, embd, pos_embd, mp, ep, expt_tp, expt_dp, ...):
+    # pg.cp joins the CP ranks of one sequence, pg.dp_cp the DP x CP ranks that sum gradients and token counts.
     pg: Any
     # Global rank of each pipeline stage of this rank's pipeline, first to last.
     pp_global_ranks: list[int]
@@ -52,6 +55,9 @@ class ParallelContext:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+    # Context parallelism: each sequence split over cp_size ranks (docs/design/context_parallel.md); 1 without.
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -77,16 +83,19 @@ class ParallelContext:
         experts = ""
         if self.ep_size > 1 or self.etp_size != self.tp_size:
             experts = f"; experts: EP {self.ep_size} x expert TP {self.etp_size}"
+        cp = f" x CP {self.cp_size}" if self.cp_size > 1 else ""
         return (
-            f"world={self.world_size} = TP {self.tp_size} x PP {self.pp_size} x DP {self.dp_size}{experts} "
+            f"world={self.world_size} = TP {self.tp_size}{cp} x PP {self.pp_size} x DP {self.dp_size}{experts} "
             f"on {self.device.type} ({'gloo' if self.is_cpu else 'nccl'})"
         )
 
 
-def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp: int = 0) -> int:
-    """The data-parallel size of a layout, or a LayoutError that says what does not divide. The experts
+def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1, ep: int = 1, etp: int = 0, cp: int = 1) -> int:
+    """The data-parallel size of a layout (without CP: world / (TP x PP x CP), as Megatron-Core's
+    initialize_model_parallel computes it), or a LayoutError that says what does not divide. The experts
     (ep > 1 or an expert TP etp; 0: the same as tp) take the same ranks in another split, EP x expert TP x PP
-    x expert DP, which must divide the world as well (Megatron-Core's MoE parallel folding)."""
+    x expert DP, which must divide the world as well (Megatron-Core's MoE parallel folding); they ignore CP (its
+    expert rank generator has no CP axis: expert DP spans the CP ranks), so that condition does not change."""
     if vpp > 1 and pp < 2:
         raise LayoutError(
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2"
@@ -97,21 +106,25 @@ def check_layout(world_size: int, tp: int, pp: int, vpp: int = 1, ep: int = 1, e
         ("pipeline_model_parallel_size", pp),
         ("expert_model_parallel_size", ep),
         ("expert_tensor_parallel_size", etp),
+        ("context_parallel_size", cp),
     ):
         if size < 1:
             raise LayoutError(f"parallel.{name} must be >= 1, got {size}")
-    if world_size % (tp * pp):
+    model_ranks = tp * pp * cp
+    if world_size % model_ranks:
+        with_cp = f" x CP={cp}" if cp > 1 else ""
         raise LayoutError(
-            f"parallel layout TP={tp} x PP={pp} = {tp * pp} ranks does not divide the world size {world_size}; "
-            f"launch a multiple of {tp * pp} processes or change parallel.tensor_model_parallel_size / "
-            f"parallel.pipeline_model_parallel_size"
+            f"parallel layout TP={tp} x PP={pp}{with_cp} = {model_ranks} ranks does not divide the world size "
+            f"{world_size}; launch a multiple of {model_ranks} processes or change "
+            f"parallel.tensor_model_parallel_size / parallel.pipeline_model_parallel_size"
+            + (" / parallel.context_parallel_size" if cp > 1 else "")
         )
     if world_size % (ep * etp * pp):
         raise LayoutError(
             f"expert layout EP={ep} x expert TP={etp} x PP={pp} = {ep * etp * pp} ranks does not divide the world "
             f"size {world_size}; change parallel.expert_model_parallel_size / parallel.expert_tensor_parallel_size"
         )
-    return world_size // (tp * pp)
+    return world_size // model_ranks
 
 
 def resolve_device(preference: str) -> torch.device:
@@ -157,16 +170,19 @@ def init_parallel(
     ep: int = 1,
     etp: int = 0,
     peer_timeout_s: float = 120.0,
+    cp: int = 1,
 ) -> ParallelContext:
     """Start torch.distributed (torchrun's env, or a one-process group), Megatron's model parallel groups and
     the wait group (ParallelContext.wait_group). ep / etp: expert parallel and expert tensor parallel sizes
-    (etp 0: the same as tp). peer_timeout_s: with more than one rank, a rank not heard from for this long (its
-    host died) stops every rank with exit code 76 (parallel/liveness.py); 0: no watch."""
+    (etp 0: the same as tp). cp: context parallel size; Megatron's order tp-cp-ep-dp-pp makes a rank's CP peers
+    TP ranks apart (world 4, TP 2, CP 2: CP groups [0, 2] and [1, 3]). peer_timeout_s: with more than one rank,
+    a rank not heard from for this long (its host died) stops every rank with exit code 76
+    (parallel/liveness.py); 0: no watch."""
     device = resolve_device(device_preference)
     _quiet_benign_warnings(device.type == "cpu")
     _ensure_process_group(device, timeout_minutes)
     _watch_peers(peer_timeout_s)
-    dp = check_layout(dist.get_world_size(), tp, pp, vpp, ep, etp)
+    dp = check_layout(dist.get_world_size(), tp, pp, vpp, ep, etp, cp)
     if device.type == "cpu":
         cpu_mode.activate()
     else:
@@ -182,6 +198,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp or tp,
+        context_parallel_size=cp,
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -203,6 +220,8 @@ def init_parallel(
         ep_size=ep,
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
         etp_size=etp or tp,
+        cp_rank=mpu.get_context_parallel_rank(),
+        cp_size=cp,
     )
     log.info("parallel layout: %s", ctx.describe())
     return ctx
