@@ -33,6 +33,12 @@ The patches and private calls (grep for these names; each says why where it live
   0.17.1 and 0.18.2 source); 0.19.2 keeps it inside the shards and writes no common.pt (it still reads one).
 - here, `save_in_background`: dist_checkpointing.save's async_strategy, from 0.17 on (0.17.1, 0.18.2 source; 0.19.2),
   by default "nvrx" (nvidia-resiliency-ext, not installed with Megatron-Core); 0.16.1 has no such argument.
+- here, `cpu_rope_cp_slice`: `get_pos_emb_on_this_cp_rank` (models/common/embeddings/rope_utils.py, imported by name
+  into rotary_pos_embedding.py and yarn_rotary_pos_embedding.py) replaced in the CPU mode at CP > 1: it builds its
+  index with pin_memory=True, which a CPU-only torch refuses (checked on 0.16.1).
+- mcore/cp_attention.py: `gather_from_sequence_parallel_region` with the CP group (tensor_parallel/mappings.py; its
+  backward reduce-scatters) and DotProductAttention's constructor/forward signature (the CoreAttentionBuilder and
+  CoreAttention protocols of transformer/attention.py), substituted in the local spec at CP > 1 (checked on 0.16.1).
 - here, `NOTICES` (quiet_notices) and parallel/state.py's _BENIGN_WARNINGS: what 0.17-0.19 log or warn on every run
   that says nothing about it (checked on 0.19.2; the releases each line came in beside it).
 """
@@ -117,6 +123,34 @@ def quiet_notices() -> None:
         megatron_logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) and f.start == start for f in megatron_logger.filters):
             megatron_logger.addFilter(_DropNotice(start))
+
+
+# ----- context parallelism on the CPU ------------------------------------------------------------------------------
+def _pos_emb_on_this_cp_rank(pos_emb: Any, seq_dim: int, cp_group: Any) -> Any:
+    """Megatron-Core's get_pos_emb_on_this_cp_rank (rope_utils.py) without pinned memory: the positions of chunks
+    cp_rank and 2 cp_size - 1 - cp_rank of 2 cp_size along seq_dim (the same view and index_select)."""
+    import torch
+
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1) :])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2) :])
+
+
+def cpu_rope_cp_slice() -> None:
+    """Install _pos_emb_on_this_cp_rank where Megatron-Core looks the name up (idempotent). Its own builds the index
+    with `torch.tensor(..., device="cpu", pin_memory=True)`, which raises on a CPU-only torch ("pin_memory=True
+    requires a CUDA or other accelerator backend"): every RoPE model at CP > 1 in the CPU mode failed there. Only
+    for the CPU: on a GPU Megatron's own stays (checked on 0.16.1)."""
+    import importlib
+
+    for name in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
 
 
 # ----- distributed checkpoints ---------------------------------------------------------------------------------

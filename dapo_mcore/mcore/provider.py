@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dapo_mcore.config.model_spec import ModelSpec
-from dapo_mcore.mcore.mcore_compat import quiet_notices
+from dapo_mcore.mcore.mcore_compat import cpu_rope_cp_slice, quiet_notices
 from dapo_mcore.utils.errors import ConfigError, LayoutError
 from dapo_mcore.utils.install import RECOMMENDED
 from dapo_mcore.utils.logging import get_logger
@@ -80,9 +80,17 @@ def build_transformer_config(
     etp: int = 0,
     moe_aux_loss_coeff: float = -1.0,
     moe_dispatcher: str = "alltoall",
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
 ) -> Any:
+    """cp: the context-parallel size; cp_comm_type: Transformer Engine's CP exchange at cp > 1 ("p2p" takes bshd
+    and THD rows and overlaps its ring with compute; "all_gather" refuses THD: TE's
+    AttnFuncWithCPAndKVAllGather asserts qkv_format != "thd"). The local spec's CP attention (mcore/cp_attention.py)
+    always all-gathers K and V, whatever this says."""
     from megatron.core.transformer import TransformerConfig
 
+    if on_cpu and cp > 1:
+        cpu_rope_cp_slice()  # Megatron's RoPE slicing per CP rank pins host memory, which a CPU-only torch refuses
     if on_cpu and dtype != "float32":
         raise ConfigError(f"model.dtype={dtype} needs a GPU; the CPU mode runs float32 (model.dtype=float32)")
     if spec.is_moe and on_cpu and moe_dispatcher == "alltoall" and (etp or tp) > 1:
@@ -110,6 +118,8 @@ def build_transformer_config(
         attention_dropout=0.0,
         init_method_std=spec.init_std,
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        cp_comm_type=cp_comm_type if cp > 1 else None,
         sequence_parallel=sequence_parallel,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         pipeline_model_parallel_size=pp,
@@ -263,7 +273,8 @@ def resolve_transformer_impl(choice: str, on_cpu: bool, fp8: str = "none") -> bo
 
 
 def _layer_specs(spec: ModelSpec, config: Any, use_te: bool) -> list[Any]:
-    """One layer spec per global layer: dense layers, and MoE layers where spec.moe_layers says so."""
+    """One layer spec per global layer: dense layers, and MoE layers where spec.moe_layers says so. Local layers at
+    context parallelism > 1 get the CPU twin of CP attention (Megatron's DotProductAttention refuses CP)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_layer_specs,
         get_gpt_layer_local_spec,
@@ -271,10 +282,30 @@ def _layer_specs(spec: ModelSpec, config: Any, use_te: bool) -> list[Any]:
     )
 
     if spec.is_moe:
-        return get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te)
-    if use_te:
+        layers = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te)
+    elif use_te:
         return [get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)] * spec.num_layers
-    return [get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)] * spec.num_layers
+    else:
+        layers = [get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm)] * spec.num_layers
+    if use_te or config.context_parallel_size == 1:
+        return layers
+    return _with_cp_attention(layers)
+
+
+def _with_cp_attention(layers: list[Any]) -> list[Any]:
+    """The layer specs with CPAllGatherAttention as core attention: a copy of each distinct spec object (a spec
+    shared by several layers stays shared; none that Megatron or another caller holds is changed)."""
+    import copy
+
+    from dapo_mcore.mcore.cp_attention import CPAllGatherAttention
+
+    copies: dict[int, Any] = {}
+    for layer in layers:
+        if id(layer) not in copies:
+            mine = copy.deepcopy(layer)
+            mine.submodules.self_attention.submodules.core_attention = CPAllGatherAttention
+            copies[id(layer)] = mine
+    return [copies[id(layer)] for layer in layers]
 
 
 def _chunk_layer_specs(layer_specs: list[Any], config: Any, ctx: Any, chunk: int) -> list[Any]:
