@@ -51,6 +51,7 @@ then at most one of a step's rollout data, a save's staging or a resume's reads 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, replace
@@ -333,6 +334,7 @@ class _Layout:
     fused: bool  # Transformer Engine layers (fused attention); Megatron's local spec otherwise
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel
+    cp: int = 1  # context parallel: each sequence split over cp ranks (docs/design/context_parallel.md)
 
     @property
     def replicas(self) -> int:
@@ -351,6 +353,16 @@ class _Tokens:
     micro_batch: int  # tokens of the largest micro-batch
     micro_batches: int  # per DP rank and mini-batch, every sample at full length
     response: int  # response tokens of the largest micro-batch: the rows of the log-prob head
+    cp: int = 1  # a rank computes 1/cp of each micro-batch's tokens (context parallelism)
+
+    @property
+    def on_rank(self) -> int:
+        """Tokens of the largest micro-batch that one rank computes."""
+        return self.micro_batch // self.cp
+
+    @property
+    def response_on_rank(self) -> int:
+        return self.response // self.cp
 
 
 @dataclass(frozen=True)
@@ -467,32 +479,36 @@ def _layout(cfg: RunConfig, shape: ModelShape, gpus: int) -> _Layout:
         ("key/value heads", shape.kv_heads, tp),
         ("FFN width", shape.ffn, tp),
         ("layers", shape.layers, pp * vpp),
-        ("GPUs", gpus, tp * pp),
+        ("GPUs", gpus, tp * pp * par.context_parallel_size),
         ("GPUs", gpus, etp),
         ("attention heads", shape.heads, etp),
     ):
         if count % size:
+            cp = f", CP {par.context_parallel_size}" if par.context_parallel_size > 1 else ""
             raise LayoutError(
-                f"the {count} {what} do not split {size} ways (TP {tp}, PP {pp}, VPP {vpp}, engine TP {etp}, "
+                f"the {count} {what} do not split {size} ways (TP {tp}, PP {pp}, VPP {vpp}{cp}, engine TP {etp}, "
                 f"{gpus} GPUs)"
             )
     on_gpu = par.device != "cpu"  # "auto" plans for the GPUs a recipe is meant for
     impl = cfg.model.transformer_impl
     fused = impl == "transformer_engine" or (impl == "auto" and on_gpu)
-    return _Layout(gpus, tp, pp, vpp, gpus // (tp * pp), etp, on_gpu, fused, ep, expert_tp)
+    cp = par.context_parallel_size
+    return _Layout(gpus, tp, pp, vpp, gpus // (tp * pp * cp), etp, on_gpu, fused, ep, expert_tp, cp)
 
 
 def _tokens(cfg: RunConfig, shape: ModelShape, lay: _Layout) -> _Tokens:
     response = cfg.rollout.sampling.max_response_len
     prompt = cfg.data.max_prompt_len or max(shape.max_positions - response, 1)
-    multiple = math.lcm(8, lay.tp) if cfg.parallel.sequence_parallel else 8  # the actor's padding
+    tp_sp = lay.tp if cfg.parallel.sequence_parallel else 1
+    multiple = math.lcm(8, 2 * lay.cp * tp_sp) if lay.cp > 1 else math.lcm(8, tp_sp)  # the actor's padding
     sequence = -(-(prompt + response) // multiple) * multiple
     budget = cfg.trainer.max_tokens_per_micro_batch
     # A token budget packs rows up to it; a sample longer than the budget gets a micro-batch of its own.
     rows = max(1, budget // sequence) if budget else cfg.trainer.micro_batch_size
     micro_batch = max(budget, sequence) if budget else rows * sequence
     per_rank = -(-cfg.trainer.mini_batch_size // lay.dp)
-    return _Tokens(sequence, prompt, micro_batch, -(-per_rank // rows), round(micro_batch * response / sequence))
+    response_tokens = round(micro_batch * response / sequence)
+    return _Tokens(sequence, prompt, micro_batch, -(-per_rank // rows), response_tokens, lay.cp)
 
 
 def _plan_stage(
@@ -518,7 +534,7 @@ def _plan_stage(
         stage="the only stage" if lay.pp == 1 else ("first stage" if pp_rank == 0 else "last stage"),
         phases=phases,
         kv=engine.kv_cache(),
-        notes=_notes(cfg, lay, tokens),
+        notes=_notes(cfg, lay, tokens) + _cp_note(cfg, shape, lay, tokens, pp_rank),
         engine_start=engine.start(),
         host_lines=_host_lines(cfg, shape, lay, pp_rank),
         save_lines=_save_lines(cfg, shape, lay, pp_rank),
@@ -629,10 +645,11 @@ def _one_copy_share(shape: ModelShape, lay: _Layout, pp_rank: int) -> tuple[floa
     ranks that hold the same experts (the distributed optimizer's shard, and what a fully parallel save writes)."""
     params, _ = _stage_params(shape, lay, pp_rank)
     experts = _stage_expert_params(shape, lay, pp_rank)
+    dp, over = lay.dp * lay.cp, f"DP {lay.dp}" + (f" x CP {lay.cp}" if lay.cp > 1 else "")  # sharded over dp_cp
     if not experts:
-        return params / lay.dp, f"/ DP {lay.dp}"
-    return (params - experts) / lay.dp + experts / lay.expert_dp, (
-        f"({_count(params - experts)} / DP {lay.dp} + experts {_count(experts)} / expert DP {lay.expert_dp})"
+        return params / dp, f"/ {over}"
+    return (params - experts) / dp + experts / lay.expert_dp, (
+        f"({_count(params - experts)} / {over} + experts {_count(experts)} / expert DP {lay.expert_dp})"
     )
 
 
@@ -680,7 +697,7 @@ def _in_flight_layers(shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank:
 
 
 def _activation_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int) -> list[Line]:
-    b, T = _DTYPE_BYTES[cfg.model.dtype], tokens.micro_batch
+    b, T = _DTYPE_BYTES[cfg.model.dtype], tokens.on_rank
     full, scores = _layer_bytes_per_token(cfg, shape, lay, tokens.sequence)
     held = _in_flight_layers(shape, lay, tokens, pp_rank)
     mode, group = cfg.model.recompute, cfg.model.recompute_num_layers
@@ -695,6 +712,10 @@ def _activation_lines(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _
     if scores:  # Megatron's local attention computes the scores into a persistent buffer (global memory buffer)
         lines.append(Line("attention score buffer", scores * T, f"{T} tokens x {scores:.0f} B (a s, local layers)"))
     lines.append(_peak_transient(cfg, shape, lay, tokens, pp_rank, full))
+    if lay.cp > 1:  # one layer at a time: the whole sequence's K and V, and in backward their full gradients
+        kv = 2 * tokens.sequence * shape.k / lay.tp * b
+        lines.append(Line("K/V all-gather (context parallel)", 2 * kv, f"K, V and dK, dV of {tokens.sequence} "
+                          f"tokens x {shape.k} / TP x {b} B, one layer at a time"))  # fmt: skip
     lines.append(_step_batch_line(cfg, shape, lay, tokens))
     return lines
 
@@ -708,8 +729,10 @@ def _step_batch_line(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _T
     routing = shape.layers * shape.topk if shape.experts and cfg.model.routing_replay == "rollout" else 0
     per_token = _MICRO_BATCH_BYTES_PER_TOKEN + routing
     routed = f" + routing {shape.layers} layers x top-{shape.topk} uint8" if routing else ""
-    formula = f"{samples} answers (the step's / DP {lay.dp}) x {tokens.sequence} tokens x (48 B{routed})"
-    return Line("step batch (micro-batch tensors)", samples * tokens.sequence * per_token, formula)
+    held = tokens.sequence // lay.cp  # each answer's 1/CP share (context parallelism)
+    share = f" / CP {lay.cp}" if lay.cp > 1 else ""
+    formula = f"{samples} answers (the step's / DP {lay.dp}) x {tokens.sequence}{share} tokens x (48 B{routed})"
+    return Line("step batch (micro-batch tensors)", samples * held * per_token, formula)
 
 
 def _peak_transient(
@@ -717,7 +740,7 @@ def _peak_transient(
 ) -> Line:
     """The larger of one layer's backward (its gradients; with recompute=full, its group rebuilt first) and, on
     the last stage, the log-prob head's backward, which runs before any layer's."""
-    b, T, group = _DTYPE_BYTES[cfg.model.dtype], tokens.micro_batch, cfg.model.recompute_num_layers
+    b, T, group = _DTYPE_BYTES[cfg.model.dtype], tokens.on_rank, cfg.model.recompute_num_layers
     rebuilt = group * full * T if cfg.model.recompute == "full" else 0.0
     # d(hidden), d(fc1 out), d(fc2 in)
     backward = rebuilt + b * T * (shape.hidden + 3 * shape.mlp_width(lay.tp, lay.etp))
@@ -732,27 +755,27 @@ def _head_buffers(cfg: RunConfig, tokens: _Tokens) -> int:
     """fp32 [chunk, V/t] buffers at the head's peak: its chunk loop computes a chunk's logits while the last
     chunk's two buffers are still bound to their names (seen by tools/bench_memory.py), so three from the
     second chunk on."""
-    return 3 if tokens.response > cfg.model.logprob_chunk_size else 2
+    return 3 if tokens.response_on_rank > cfg.model.logprob_chunk_size else 2
 
 
 def _head_bytes(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> float:
     b, rows = _DTYPE_BYTES[cfg.model.dtype], shape.vocab_rows(lay.tp)
     cast = b if b != 4 else 0  # fp32 gradients cast back to the model's dtype
-    hidden = tokens.response * shape.hidden * (b + 4 + cast)
+    hidden = tokens.response_on_rank * shape.hidden * (b + 4 + cast)
     if not cfg.model.fused_logprobs:  # [T, V/t] logits, their fp32 copy, the softmax and its gradient
-        return tokens.micro_batch * rows * (b + 12) + hidden
-    chunk = min(cfg.model.logprob_chunk_size, tokens.response)
+        return tokens.on_rank * rows * (b + 12) + hidden
+    chunk = min(cfg.model.logprob_chunk_size, tokens.response_on_rank)
     return _head_buffers(cfg, tokens) * chunk * rows * 4 + rows * shape.hidden * (4 + cast) + hidden
 
 
 def _head_formula(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens) -> str:
     rows = shape.vocab_rows(lay.tp)
     if not cfg.model.fused_logprobs:
-        return f"{tokens.micro_batch} tokens x {rows} vocab/TP x (B + 12) (full logits: model.fused_logprobs=false)"
-    chunk = min(cfg.model.logprob_chunk_size, tokens.response)
+        return f"{tokens.on_rank} tokens x {rows} vocab/TP x (B + 12) (full logits: model.fused_logprobs=false)"
+    chunk = min(cfg.model.logprob_chunk_size, tokens.response_on_rank)
     return (
         f"{_head_buffers(cfg, tokens)} x {chunk} chunk x {rows} vocab/TP x 4 B + weight grad {rows} x "
-        f"{shape.hidden} fp32 + {tokens.response} response tokens x h"
+        f"{shape.hidden} fp32 + {tokens.response_on_rank} response tokens x h"
     )
 
 
@@ -973,13 +996,37 @@ def _describe_layout(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _T
         )
     return (
         f"{shape.model_type} {_count(shape.total_params())} params (h {shape.hidden}, {shape.layers} layers, "
-        f"vocab {shape.vocab}) on {lay.gpus} GPUs: TP {lay.tp}{sp} x PP {lay.pp}{vpp} x DP {lay.dp}{experts}, "
+        f"vocab {shape.vocab}) on {lay.gpus} GPUs: TP {lay.tp}{sp} x PP {lay.pp}{vpp}{_cp_words(lay)} x DP "
+        f"{lay.dp}{experts}, "
         f"{optimizer}; "
         f"engine {cfg.rollout.engine} TP {lay.engine_tp} x {lay.replicas} replicas\n"
         f"{cfg.model.dtype}, {layers}, recompute={cfg.model.recompute}; micro-batches of {tokens.micro_batch} "
         f"tokens ({source}; longest sequence {tokens.sequence} = prompt {tokens.prompt} + response "
         f"{cfg.rollout.sampling.max_response_len}), {tokens.micro_batches} per DP rank and mini-batch"
     )
+
+
+def _cp_note(cfg: RunConfig, shape: ModelShape, lay: _Layout, tokens: _Tokens, pp_rank: int) -> tuple[str, ...]:
+    """At CP > 1: the actor's activations a GPU beside CP 1's on the same GPUs (each sequence whole on a rank)."""
+    if lay.cp == 1:
+        return ()
+    whole = dataclasses.replace(tokens, cp=1)
+    at_cp1 = dataclasses.replace(lay, cp=1, dp=lay.dp * lay.cp)
+
+    def activations(layout: _Layout, toks: _Tokens) -> float:
+        return _activation_lines(cfg, shape, layout, toks, pp_rank)[0].bytes
+
+    return (
+        f"context parallelism {lay.cp}: actor activations {activations(lay, tokens) / GIB:.2f} GiB a GPU, "
+        f"{tokens.on_rank} of each micro-batch's {tokens.micro_batch} tokens (at CP 1 on these GPUs: "
+        f"{activations(at_cp1, whole) / GIB:.2f} GiB); the K/V all-gather moves (CP-1)/CP of "
+        f"{2 * tokens.sequence * shape.k / lay.tp * _DTYPE_BYTES[cfg.model.dtype] / 2**20:.1f} MiB a layer and "
+        "gather",
+    )
+
+
+def _cp_words(lay: _Layout) -> str:
+    return f" x CP {lay.cp}" if lay.cp > 1 else ""
 
 
 def _notes(cfg: RunConfig, lay: _Layout, tokens: _Tokens) -> tuple[str, ...]:

@@ -118,3 +118,21 @@ def test_the_recipes_sbatch_line_gives_the_job_its_time_and_the_save_signal(reci
     hours = re.search(r"--time=(\d+):\d\d:\d\d", line)
     assert hours and int(hours.group(1)) >= 12, line
     assert re.search(r"--signal=B:USR1@\d+", line), line
+
+
+def test_plan_of_the_32b_recipe_at_cp2_gives_the_activations_a_gpu_beside_cp1s(tmp_path):
+    """Context parallelism splits each sequence over CP ranks: a rank's activations halve at CP 2 (the recipe's
+    32,768-token budget under full recompute: 2.50 GiB at CP 1, 1.25 at CP 2), the distributed optimizer shards
+    over DP x CP, and the K/V all-gather is a transient of its own."""
+    from dapo_mcore.plan import format_plan
+
+    model, gpus = RECIPES["dapo_qwen2.5_32b_h100.yaml"]
+    hf = json.loads((REPO / "examples/models" / model / "config.json").read_text())
+    plan = plan_memory(load("dapo_qwen2.5_32b_h100.yaml", tmp_path, "parallel.context_parallel_size=2"), hf, 80, gpus)
+    text = format_plan(plan)
+    assert "TP 8 + SP x PP 1 x CP 2 x DP 2" in text
+    assert "context parallelism 2: actor activations 1.25 GiB a GPU, 16384 of each micro-batch's 32768 tokens (at " \
+        "CP 1 on these GPUs: 2.50 GiB)" in text  # fmt: skip
+    assert "K/V all-gather (context parallel)" in text and "/ DP 2 x CP 2" in text
+    at_cp1 = plan_memory(load("dapo_qwen2.5_32b_h100.yaml", tmp_path), hf, 80, gpus)
+    assert "context parallelism" not in format_plan(at_cp1) and "x CP" not in at_cp1.layout
