@@ -86,13 +86,27 @@ def _rng_object(ctx: ParallelContext) -> Any:
     state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if ctx.device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state()
-    return ShardedObject(
-        "rng_state",
-        state,
-        (ctx.pp_size, ctx.tp_size, ctx.dp_size),
-        (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank),
-        replica_id=0,
+    shape, rank = (ctx.pp_size, ctx.tp_size, ctx.dp_size), (ctx.pp_rank, ctx.tp_rank, ctx.dp_rank)
+    if ctx.cp_size > 1:  # CP peers hold RNG states of their own: a shard each (CP 1 keeps the saves' old form)
+        shape, rank = (ctx.pp_size, ctx.tp_size, ctx.cp_size, ctx.dp_size), (*rank[:2], ctx.cp_rank, ctx.dp_rank)
+    return ShardedObject("rng_state", state, shape, rank, replica_id=0)
+
+
+def sharded_structure(state: dict[str, Any]) -> str:
+    """A fingerprint of what a save's sharded state holds (each shard's key, global shape and offset, replica,
+    flattened range and dtype), not of its values: equal fingerprints, equal save distributions."""
+    import hashlib
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    fields = ("key", "global_shape", "global_offset", "replica_id", "flattened_range", "dtype", "axis_fragmentations")
+    shards = sorted(
+        repr([getattr(v, name, None) for name in fields] + [tuple(getattr(getattr(v, "data", None), "shape", ()))])
+        for v in nested_values(state)
+        if isinstance(v, ShardedBase)
     )
+    return hashlib.sha256("\n".join(shards).encode()).hexdigest()
 
 
 def layout_of(ctx: ParallelContext) -> dict[str, int]:
@@ -135,6 +149,8 @@ class CheckpointManager:
         forked_writers_die_with_us()
         self._async_queue = None
         self._writing: tuple[Path, Path] | None = None  # a background save's (tmp, final) until it completes
+        self._save_wrapper: Any = None  # Megatron's fully parallel save strategy, kept for its cached distribution
+        self._saved_structure = ""  # the fingerprint of the sharded state the cached distribution was made for
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -188,7 +204,7 @@ class CheckpointManager:
             },
         }
         finish = functools.partial(self._complete, tmp, final, start, own_crcs)
-        strategy = self._save_strategy()
+        strategy = self._save_strategy(state)
         if self._async_queue is not None and background:
             request = save_in_background(state, str(tmp), strategy)
             request.add_finalize_fn(finish)
@@ -221,14 +237,29 @@ class CheckpointManager:
             self._abandon(tmp, final, failure or OSError(f"another rank: {failures[0]}"))
         return crcs
 
-    def _save_strategy(self) -> Any:
+    def _save_strategy(self, state: dict[str, Any]) -> Any:
         """Megatron's fully parallel save over the data-parallel group: a tensor every DP rank holds (the dense
         weights) is written by one of them chosen per tensor, not all by the first DP rank, so that each rank
-        writes and stages about 1 / DP of the weights. Only metadata crosses the ranks."""
+        writes and stages about 1 / DP of the weights. Only metadata crosses the ranks.
+
+        Which rank writes what (every shard's metadata gathered over DP, then dealt greedily) is computed at the
+        first save and reused while the sharded state keeps its structure (Megatron's do_cache_distribution, which
+        checks nothing itself: a stale distribution writes a wrong save). Each rank fingerprints its sharded state
+        and the DP ranks agree (one int) on whether any changed, so that all recompute it together."""
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), self.ctx.pg.dp)
+        if self._save_wrapper is None:
+            self._save_wrapper = FullyParallelSaveStrategyWrapper(
+                get_default_save_sharded_strategy(), self.ctx.pg.dp, do_cache_distribution=True
+            )
+        structure = sharded_structure(state)
+        changed = torch.tensor([int(structure != self._saved_structure)], device=self.ctx.device)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.ctx.pg.dp)
+        if changed.item():
+            self._save_wrapper.cached_distribution = None
+        self._saved_structure = structure
+        return self._save_wrapper
 
     def _load_strategy(self, path: Path) -> Any:
         """Megatron's fully parallel load over the data-parallel group: each weight the DP ranks share is read

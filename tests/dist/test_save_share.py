@@ -27,3 +27,16 @@ def test_a_routine_save_holds_each_ranks_own_optimizer_share_only(tmp_path):
     # this rank's own param + moments at DP 2: observed 642,816 B against 469,248), nothing on the other
     assert ranks[0]["fully_reshardable"] > 1.3 * ranks[0]["own"], ranks
     assert ranks[1]["fully_reshardable"] == 0, ranks
+
+
+def test_the_save_distribution_is_computed_once_while_the_saved_structure_holds(tmp_path):
+    """Which DP rank writes each shared tensor (every shard's metadata gathered over DP and dealt) was computed at
+    every save; Megatron's cache of it checks nothing, so the ranks agree on a fingerprint of the sharded state
+    each save: the second save of the same structure reuses it, a save in another optimizer format recomputes it,
+    and a save made with the cached one loads back."""
+    hf_dir = save_tiny_model(tmp_path / "hf", "llama", layers=2)
+    run_torchrun(WORKER, 2, str(hf_dir), str(tmp_path / "share"), "--saves", str(tmp_path / "saves"))
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"share.rank{rank}")
+        assert result["distributions"] == [1, 1, 2], result
+        assert result["reloaded"], result

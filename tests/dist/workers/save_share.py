@@ -2,10 +2,13 @@
 optimizer's part of a save holds on this rank, in each optimizer format, against the optimizer state the rank
 itself keeps (its share of Adam's moments and of the fp32 weights).
 
-    torchrun --nproc_per_node 2 save_share.py HF_DIR OUT
+    torchrun --nproc_per_node 2 save_share.py HF_DIR OUT [--saves ROOT]
 
 Result (OUT.rank<R>): {"own": bytes the rank's optimizer holds, "routine": bytes the state of a save with the
-default checkpoint settings holds, "fully_reshardable": the same in that format}.
+default checkpoint settings holds, "fully_reshardable": the same in that format}; with --saves also
+"distributions": after each of three saves into ROOT through the run's CheckpointManager (the second of the same
+structure as the first, the third in the other optimizer format), how many times the save distribution was
+computed, and "reloaded": whether the second save loads back to the same weights.
 """
 
 import argparse
@@ -46,6 +49,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("hf_dir")
     ap.add_argument("out")
+    ap.add_argument("--saves", default="")
     args = ap.parse_args()
     ctx = init_parallel(1, 1, "cpu")
     spec = read_model_spec(load_hf_config(args.hf_dir))
@@ -64,8 +68,42 @@ def main():
     for name, optimizer_format in (("routine", routine), ("fully_reshardable", "fully_reshardable")):
         model_sd = model_sharded_state_dict(actor.chunks)
         result[name] = tensor_bytes(optimizer_state(actor, model_sd, optimizer_format))
+    if args.saves:
+        result.update(saves_and_distributions(ctx, spec, actor, args.saves))
     torch.save(result, f"{args.out}.rank{torch.distributed.get_rank()}")
     destroy_parallel()
+
+
+def saves_and_distributions(ctx, spec, actor, root: str) -> dict:
+    from pathlib import Path
+    from unittest import mock
+
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+
+    from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager
+
+    computed, counts = [], []
+    real = fully_parallel.determine_main_replica_uniform_distribution
+
+    def counting(*args, **kwargs):
+        computed.append(1)
+        return real(*args, **kwargs)
+
+    manager = CheckpointManager(root, ctx, keep_last=5)
+    before = {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters()}
+    with mock.patch.object(fully_parallel, "determine_main_replica_uniform_distribution", counting):
+        for step in (1, 2, 3):
+            if step == 3:
+                manager.optimizer_format = "fully_reshardable"
+            manager.save(step, actor, spec, {"consumed": step}, background=False)
+            counts.append(len(computed))
+    manager.optimizer_format = "dp_reshardable"
+    with torch.no_grad():
+        for p in actor.chunks[0].parameters():
+            p.add_(1.0)
+    manager.load(Path(root) / "step_000002", actor, spec)
+    reloaded = all(torch.equal(before[n], p) for n, p in actor.chunks[0].named_parameters())
+    return {"distributions": counts, "reloaded": reloaded}
 
 
 if __name__ == "__main__":
