@@ -317,6 +317,7 @@ def load_policy_chunks(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec) ->
         etp=ctx.etp_size,
         moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         moe_dispatcher=cfg.model.moe_token_dispatcher,
+        cp=ctx.cp_size,
     )
     torch.manual_seed(cfg.model.init_seed)  # the same full initial weights at any layout
     chunks = build_gpt_chunks(spec, tconfig, ctx=ctx, use_te=use_te)

@@ -40,6 +40,7 @@ gradient by autograd (a few elementwise ops per token), so the two cannot drift 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,26 @@ TIS_MODES = ("none", "token", "sequence", "sequence_mask", "token_mask")
 POLICY_LOSSES = ("dapo", "gspo", "cispo", "sapo")
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's cap of GSPO's log sequence ratio
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs drift apart
+
+
+def _whole(partial_sums: torch.Tensor) -> torch.Tensor:
+    return partial_sums
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """Where a sequence's tokens are spread over ranks (context parallelism, docs/design/context_parallel.md
+    section 5): every per-sequence sum of the loss (token counts, GSPO's log-ratio, sequence TIS / masks) and the
+    early-stop guard's micro-batch sums go through `sum`, which totals detached partial sums (any shape, the same
+    on every rank) over the ranks; `lead`: this rank counts the per-sequence and per-micro-batch quantities
+    (sequences, masked sequences, skipped micro-batches), so that their sums over the ranks count each once.
+    algo/ stays pure: the caller passes the reduction in (the actor: an all-reduce over its CP group)."""
+
+    sum: Callable[[torch.Tensor], torch.Tensor] = _whole
+    lead: bool = True
+
+
+WHOLE = SequenceShards()  # each sequence whole on this rank (no context parallelism)
 
 
 # The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
@@ -124,13 +145,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm_len: int = 1):
-    """(numerator, denominator) of the mini-batch loss for one micro-batch; see the module docstring."""
+def aggregate(
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm_len: int = 1, shards: SequenceShards = WHOLE
+):
+    """(numerator, denominator) of the mini-batch loss for one micro-batch; see the module docstring. Under
+    `shards` the numerator is this rank's share and the sequence count is the lead rank's."""
     masked = loss_BT * mask_BT
     if mode == "token-mean":
         return masked.sum(), mask_BT.sum()
-    tokens_B = mask_BT.sum(dim=-1)
-    n_seqs = (tokens_B > 0).to(loss_BT.dtype).sum()
+    tokens_B = shards.sum(mask_BT.detach().sum(dim=-1))
+    n_seqs = (tokens_B > 0).to(loss_BT.dtype).sum() * float(shards.lead)
     if mode == "seq-mean-token-mean":
         return (masked.sum(dim=-1) / tokens_B.clamp(min=1)).sum(), n_seqs
     if mode == "seq-mean-token-sum":
@@ -150,26 +174,29 @@ def dapo_loss(
     entropy_BT: torch.Tensor | None = None,
     ref_logprobs_BT: torch.Tensor | None = None,
     rollout_logprobs_BT: torch.Tensor | None = None,
+    shards: SequenceShards = WHOLE,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(numerator, denominator, statistic sums) of one micro-batch. Rows are sequences, columns tokens."""
+    """(numerator, denominator, statistic sums) of one micro-batch. Rows are sequences, columns tokens; under
+    `shards` (context parallelism) this rank's tokens of each sequence, the per-sequence sums totalled over the
+    ranks, so that the ranks' numerators, denominators and statistics add up to the whole micro-batch's."""
     mask = mask_BT.to(logprobs_BT.dtype)
-    seq_log_ratio = _sequence_log_ratio(logprobs_BT, old_logprobs_BT, mask) if s.needs_whole_sequences else None
+    seq_log_ratio = _sequence_log_ratio(logprobs_BT, old_logprobs_BT, mask, shards) if s.needs_whole_sequences else None
     ratio = _ratio(logprobs_BT, old_logprobs_BT) if seq_log_ratio is None else seq_log_ratio.exp()
     stats = _clip_stats(ratio, advantages_BT, mask, s)
     tis_weight = None
     if s.tis != "none":
-        tis_weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats)
+        tis_weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats, shards)
     loss = token_losses(
         logprobs_BT, old_logprobs_BT, advantages_BT, s, tis_weight, ref_logprobs_BT, entropy_BT, seq_log_ratio
     )
     if s.kl_beta > 0.0:
         with torch.no_grad():
             stats["kl"] = (kl_penalty(logprobs_BT, ref_logprobs_BT, s.kl_estimator) * mask).sum()
-    numerator, denominator = aggregate(loss, mask, s.agg_mode, s.norm_len)
+    numerator, denominator = aggregate(loss, mask, s.agg_mode, s.norm_len, shards)
     if s.early_stop_ratio is not None:
-        keep = micro_batch_keep(stats, s).to(numerator.dtype)
+        keep = micro_batch_keep(stats, s, shards).to(numerator.dtype)
         numerator, denominator = numerator * keep, denominator * keep
-        stats["skipped_micro_batches"] = 1.0 - keep
+        stats["skipped_micro_batches"] = (1.0 - keep) * float(shards.lead)
     return numerator, denominator, stats
 
 
@@ -224,11 +251,15 @@ def policy_term(
     return pg
 
 
-def _sequence_log_ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor):
+def _sequence_log_ratio(
+    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, shards: SequenceShards = WHOLE
+):
     """[B, T]: log s_i (GSPO's length-normalised sequence ratio, from the log-probs without their gradient) at
     every token of row i."""
     log_ratio = (logprobs_BT.detach() - old_logprobs_BT).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    seq_B = (log_ratio * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+    mask_BT = mask_BT.detach()
+    sums_2B = shards.sum(torch.stack([(log_ratio * mask_BT).sum(dim=-1), mask_BT.sum(dim=-1)]))
+    seq_B = sums_2B[0] / sums_2B[1].clamp(min=1)
     return seq_B.unsqueeze(-1).expand_as(logprobs_BT)
 
 
@@ -236,14 +267,16 @@ def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
 
 
-def micro_batch_keep(stats: dict[str, torch.Tensor], s: LossSettings) -> torch.Tensor:
-    """1, or 0 for a micro-batch the early-stop guard drops: its mean ratio over loss tokens is too high.
+def micro_batch_keep(stats: dict[str, torch.Tensor], s: LossSettings, shards: SequenceShards = WHOLE) -> torch.Tensor:
+    """1, or 0 for a micro-batch the early-stop guard drops: its mean ratio over loss tokens is too high (over
+    the whole micro-batch: `shards` totals the ranks' sums, so they all keep or all drop it).
 
     A constant for autograd (the statistics are taken without gradient), so it scales the gradient too.
     """
     if s.early_stop_ratio is None:
         return torch.ones((), dtype=stats["tokens"].dtype, device=stats["tokens"].device)
-    return ((stats["ratio"] / stats["tokens"].clamp(min=1)) <= s.early_stop_ratio).to(stats["tokens"].dtype)
+    ratio, tokens = shards.sum(torch.stack([stats["ratio"], stats["tokens"]]).detach())
+    return ((ratio / tokens.clamp(min=1)) <= s.early_stop_ratio).to(stats["tokens"].dtype)
 
 
 def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
@@ -264,13 +297,13 @@ def _clip_stats(ratio, adv, mask, s: LossSettings) -> dict[str, torch.Tensor]:
     return stats
 
 
-def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, stats):
+def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, stats, shards=WHOLE):
     """Train/inference mismatch, from the trainer's old policy over the rollout engine's: (truncated importance
     weights or None, the mask with sequences outside the band dropped)."""
     log_w = _mismatch_log_weights(old_logprobs, rollout_logprobs, s)
     if s.tis in ("token", "sequence"):
         if s.tis == "sequence":  # each token takes its sequence's product of weights
-            log_w = (log_w * mask).sum(dim=-1, keepdim=True).expand_as(log_w)
+            log_w = shards.sum((log_w * mask).sum(dim=-1)).unsqueeze(-1).expand_as(log_w)
         weight = _tis_weight(log_w, s)
         stats["tis_weight"] = (weight * mask).sum()
         stats["tis_truncated"] = ((log_w.exp() > s.tis_cap) * mask).sum()
@@ -280,9 +313,10 @@ def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, 
         inside_BT = ((w >= s.token_mask_low) & (w <= s.token_mask_high)).to(mask.dtype)
         stats["token_masked"] = (mask * (1.0 - inside_BT)).sum()
         return None, mask * inside_BT
-    inside = _sequences_inside(log_w, mask, s)
-    has_tokens = mask.sum(dim=-1) > 0
-    stats["seq_masked"] = (~inside & has_tokens).to(mask.dtype).sum()
+    sums_2B = shards.sum(torch.stack([(log_w * mask).sum(dim=-1), mask.detach().sum(dim=-1)]))
+    inside = _sequences_inside(sums_2B[0], sums_2B[1], s)
+    has_tokens = sums_2B[1] > 0
+    stats["seq_masked"] = (~inside & has_tokens).to(mask.dtype).sum() * float(shards.lead)
     return None, mask * inside.to(mask.dtype).unsqueeze(-1)
 
 
@@ -296,9 +330,10 @@ def _tis_weight(log_w: torch.Tensor, s: LossSettings) -> torch.Tensor:
     return log_w.exp().clamp(max=s.tis_cap)
 
 
-def _sequences_inside(log_w_BT: torch.Tensor, mask_BT: torch.Tensor, s: LossSettings) -> torch.Tensor:
-    """[B] bool: the sequence's geometric-mean train/rollout ratio lies in [seq_mask_low, seq_mask_high]."""
-    seq_log_w_B = (log_w_BT * mask_BT).sum(dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
+def _sequences_inside(log_w_sum_B: torch.Tensor, tokens_B: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    """[B] bool: the sequence's geometric-mean train/rollout ratio (from its sum of log weights over its loss
+    tokens) lies in [seq_mask_low, seq_mask_high]."""
+    seq_log_w_B = log_w_sum_B / tokens_B.clamp(min=1)
     return (seq_log_w_B.exp() >= s.seq_mask_low) & (seq_log_w_B.exp() <= s.seq_mask_high)
 
 
@@ -329,27 +364,30 @@ def token_loss_terms(
     *,
     ref_logprobs_BT: torch.Tensor | None = None,
     rollout_logprobs_BT: torch.Tensor | None = None,
+    shards: SequenceShards = WHOLE,
 ) -> TokenLossTerms:
     """The per-token constants of `dapo_loss` with these arguments (known before the forward pass)."""
     mask = mask_BT.to(old_logprobs_BT.dtype)
     weight = None
     if s.tis != "none":
-        weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, stats={})
+        weight, mask = _mismatch_correction(mask, old_logprobs_BT, rollout_logprobs_BT, s, {}, shards)
     return TokenLossTerms(
         old_logprobs=old_logprobs_BT,
         advantages=advantages_BT,
-        agg_weight=_aggregation_weights(mask, s.agg_mode, s.norm_len),
+        agg_weight=_aggregation_weights(mask, s.agg_mode, s.norm_len, shards),
         tis_weight=weight,
         ref_logprobs=ref_logprobs_BT if s.kl_beta > 0.0 else None,
     )
 
 
-def _aggregation_weights(mask_BT: torch.Tensor, mode: str, norm_len: int) -> torch.Tensor:
+def _aggregation_weights(
+    mask_BT: torch.Tensor, mode: str, norm_len: int, shards: SequenceShards = WHOLE
+) -> torch.Tensor:
     """d numerator / d loss_it of `aggregate`: a function of the mask alone."""
     if mode in ("token-mean", "seq-mean-token-sum"):
         return mask_BT
     if mode == "seq-mean-token-mean":
-        return mask_BT / mask_BT.sum(dim=-1, keepdim=True).clamp(min=1)
+        return mask_BT / shards.sum(mask_BT.sum(dim=-1)).clamp(min=1).unsqueeze(-1)
     if mode == "seq-mean-token-sum-norm":
         return mask_BT / norm_len
     raise ValueError(f"unknown loss aggregation {mode!r}")
@@ -381,11 +419,12 @@ def dapo_loss_grad(
     *,
     ref_logprobs_BT: torch.Tensor | None = None,
     rollout_logprobs_BT: torch.Tensor | None = None,
+    shards: SequenceShards = WHOLE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d numerator / d logprobs_BT and d numerator / d entropy_BT (None: no entropy term) of `dapo_loss` with
     the same arguments, guard included. (The entropy's value does not enter: the loss is linear in it.)"""
     if s.needs_whole_sequences:  # no per-token form: autograd through the loss itself
-        return _autograd_of_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, s,
+        return _autograd_of_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, s, shards=shards,
                                  ref_logprobs_BT=ref_logprobs_BT, rollout_logprobs_BT=rollout_logprobs_BT)  # fmt: skip
     terms = token_loss_terms(
         old_logprobs_BT,
@@ -394,12 +433,13 @@ def dapo_loss_grad(
         s,
         ref_logprobs_BT=ref_logprobs_BT,
         rollout_logprobs_BT=rollout_logprobs_BT,
+        shards=shards,
     )
     d_logprobs, d_entropy = token_loss_grad(logprobs_BT, terms, s)
     if s.early_stop_ratio is None:
         return d_logprobs, d_entropy
     ratio = _ratio(logprobs_BT, old_logprobs_BT)
-    keep = micro_batch_keep(_clip_stats(ratio, advantages_BT, mask_BT.to(ratio.dtype), s), s)
+    keep = micro_batch_keep(_clip_stats(ratio, advantages_BT, mask_BT.to(ratio.dtype), s), s, shards)
     return d_logprobs * keep, None if d_entropy is None else d_entropy * keep
 
 

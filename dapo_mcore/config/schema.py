@@ -73,8 +73,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # Context parallelism (CP) of the actor: each sequence split over this many ranks (Megatron's CP groups), for
     # answers whose activations do not fit one rank; CP ranks hold the same weights, so DP = world / (TP x PP x
-    # CP). Not yet trainable above 1: the groups are built, the actor's sequence split and the loss's sums over
-    # CP ranks are not (train, rehearse and check refuse it; docs/design/context_parallel.md).
+    # CP). Rows are cut into 2 CP chunks (packed rows as THD, each sample's slot a multiple of 2 CP), the loss's
+    # per-sequence sums taken over the CP ranks: the same loss and gradients as CP 1. Dense models only so far
+    # (mixture-of-experts models are refused above 1; docs/design/context_parallel.md).
     context_parallel_size: int = 1
     # Mixture-of-experts models: experts split over this many ranks (expert parallelism, EP); the other
     # layers keep TP x PP x DP. EP x expert TP x PP must divide the world size, EP the number of experts.

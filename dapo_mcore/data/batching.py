@@ -294,11 +294,13 @@ class DataParallelSplit:
     max_tokens_per_micro_batch: int  # 0: micro_batch_size rows a micro-batch
     packed: bool
     multiple: int  # the actor pads lengths to a multiple of this
+    slot: int = 1  # packed: each sample's slot is its tokens rounded up to this (slot_multiple)
 
     def shares(self, indices: list[int], lengths: Sequence[int]) -> list[list[int]]:
         """Each DP rank's sample indices of the mini-batch `indices` (lengths: every sample's token count)."""
         budget = self.max_tokens_per_micro_batch
         if self.packed:
+            lengths = [round_up(n, self.slot) for n in lengths] if self.slot > 1 else lengths
             rows_per_micro = 1 if budget else self.micro_batch_size
             by_rank, _ = packed_rows_by_rank(indices, lengths, self.dp_size, rows_per_micro, budget, self.multiple)
             return [[i for row in rows for i in row] for rows in by_rank]

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from dapo_mcore.algo.gap_stats import add_gaps, empty_gap_summary, gap_means, gap_quantiles, gap_tokens
 from dapo_mcore.algo.losses import (
+    WHOLE,
     LossSettings,
+    SequenceShards,
     TokenLossTerms,
     dapo_loss,
     micro_batch_keep,
@@ -38,10 +40,15 @@ from dapo_mcore.data.batching import (
     build_micro_batch,
     build_packed_micro_batch,
     padded_length,
+    padding_multiple,
     plan_packed,
     round_up,
+    row_cp_columns,
     sample_tokens,
+    slot_multiple,
+    split_for_context_parallel,
     split_for_data_parallel,
+    thd_cp_columns,
     to_sequences,
     token_budget_micro_batches,
 )
@@ -119,6 +126,9 @@ class StepBatches:
 
     samples: list[Sample]  # the whole step's samples (indices of MicroBatch.segments point into it)
     mini_batches: list[list[MicroBatch]]  # this rank's micro-batches of each optimizer update
+    # Under context parallelism: the micro-batches of each mini-batch that are computed, chosen (and cut, for a
+    # rehearsal) on the whole micro-batches before the split; None: the selection chooses on these.
+    computed: list[list[int]] | None = None
 
 
 class PolicyRunner:
@@ -129,8 +139,13 @@ class PolicyRunner:
         self.config = unwrap(chunks[0]).config
         self._vocab_start = ctx.tp_rank * padded_vocab_size(spec.vocab_size, ctx.tp_size) // ctx.tp_size
         self._tp_group = ctx.pg.tp if ctx.tp_size > 1 else None
-        # Sequence parallelism splits the sequence over TP ranks: lengths must divide by TP.
-        self._multiple = math.lcm(8, ctx.tp_size) if self.config.sequence_parallel else 8
+        # Sequence parallelism splits the sequence over TP ranks: lengths must divide by TP; context parallelism
+        # cuts each row (THD: each packed sequence) into 2 CP chunks (data/batching.py padding_multiple).
+        tp_sp = ctx.tp_size if self.config.sequence_parallel else 1
+        self._multiple = padding_multiple(tp_sp, ctx.cp_size)
+        self._slot = slot_multiple(tp_sp, ctx.cp_size)
+        # shares of the sequences' per-sequence sums over the CP ranks (algo/losses.py SequenceShards)
+        self._shards = WHOLE if ctx.cp_size == 1 else SequenceShards(sum=self._cp_sum, lead=ctx.cp_rank == 0)
         if settings.packing == "mask" and self.config.masked_softmax_fusion:
             # the fused causal softmax kernel ignores a passed mask: samples would see each other
             raise ValueError("packing with a block-diagonal mask needs masked_softmax_fusion off (the local spec)")
@@ -145,14 +160,52 @@ class PolicyRunner:
         """How this policy deals a mini-batch to the DP ranks (the share each rank's micro-batches hold)."""
         s = self.settings
         return DataParallelSplit(
-            self.ctx.dp_size, s.micro_batch_size, s.max_tokens_per_micro_batch, s.packing != "off", self._multiple
+            self.ctx.dp_size,
+            s.micro_batch_size,
+            s.max_tokens_per_micro_batch,
+            s.packing != "off",
+            self._multiple,
+            self._slot,
         )
+
+    @property
+    def _packing(self) -> str:
+        """The packed layout: under context parallelism packed rows go THD (each sequence split per CP rank, as
+        Megatron's RoPE wants; the CPU twin of CP attention takes THD), the block mask is the CP-1 CPU mode."""
+        packing = self.settings.packing
+        return "thd" if packing == "mask" and self.ctx.cp_size > 1 else packing
+
+    def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:
+        """Detached partial sums totalled over the CP group (the ranks holding a micro-batch's other columns)."""
+        total = partial_sums.detach().clone()
+        dist.all_reduce(total, group=self.ctx.pg.cp)
+        return total
 
     def prepare(self, samples: list[Sample], mini_batches: list[list[int]]) -> StepBatches:
         """This rank's micro-batches of every mini-batch (index lists into `samples`), on the device. The DP
-        split and micro-batches are those of training, so each rank computes exactly what it trains on."""
+        split and micro-batches are those of training, so each rank computes exactly what it trains on. Under
+        context parallelism each micro-batch is built whole on the host, cut for a rehearsal, then split: this
+        CP rank's columns go to the device."""
         seq_len = padded_length(samples, self._multiple)
-        return StepBatches(samples, [self._micro_batches(samples, indices, seq_len) for indices in mini_batches])
+        whole = [self._micro_batches(samples, indices, seq_len, place=False) for indices in mini_batches]
+        if self.ctx.cp_size == 1:
+            return StepBatches(samples, [[mb.to(self.ctx.device) for mb in micro] for micro in whole])
+        computed = [self.selection.computed(j, micro) for j, micro in enumerate(whole)]
+        placed = [
+            [self._place(self.selection.cut(mb) if i in chosen else mb) for i, mb in enumerate(micro)]
+            for micro, chosen in zip(whole, computed)
+        ]
+        return StepBatches(samples, placed, computed)
+
+    def _place(self, mb: MicroBatch) -> MicroBatch:
+        """A whole-built micro-batch on the device: this CP rank's columns of it under context parallelism."""
+        if self.ctx.cp_size > 1:
+            mb = split_for_context_parallel(mb, self.ctx.cp_size, self.ctx.cp_rank)
+        return mb.to(self.ctx.device)
+
+    def _computed(self, batches: StepBatches, j: int) -> list[int]:
+        micro = batches.mini_batches[j]
+        return self.selection.computed(j, micro) if batches.computed is None else batches.computed[j]
 
     @torch.no_grad()
     def logprobs_into(self, batches: StepBatches, attr: str) -> None:
@@ -161,7 +214,7 @@ class PolicyRunner:
         for chunk in self.chunks:
             chunk.eval()
         for j, micro in enumerate(batches.mini_batches):
-            computed = self.selection.computed(j, micro)
+            computed = self._computed(batches, j)
             outputs = {}
             if computed:
                 to_compute = [self.selection.cut(micro[i]) for i in computed]
@@ -178,10 +231,34 @@ class PolicyRunner:
         self.logprobs_into(batches, attr)
         if self.ctx.is_last_stage:
             for micro in batches.mini_batches:
-                _store_logprobs(samples, micro, [getattr(mb, attr) for mb in micro], attr)
+                _store_logprobs(samples, micro, [self._whole_row(mb, getattr(mb, attr)) for mb in micro], attr)
 
-    def _micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
-        """This rank's micro-batches of the mini-batch `indices`, built and on the device."""
+    def _whole_row(self, mb: MicroBatch, values_bs: torch.Tensor) -> torch.Tensor:
+        """[b, full length]: a CP rank's [b, s] values of micro-batch `mb` gathered from the CP group, each rank's
+        at its columns; `values_bs` itself at CP 1."""
+        if mb.cp_columns is None:
+            return values_bs
+        cp = self.ctx.cp_size
+        parts = [torch.empty_like(values_bs) for _ in range(cp)]
+        dist.all_gather(parts, values_bs.contiguous(), group=self.ctx.pg.cp)
+        whole = values_bs.new_zeros(values_bs.shape[0], mb.full_length)
+        for rank, part in enumerate(parts):
+            if mb.cu_seqlens is None:
+                cols = row_cp_columns(mb.full_length, cp, rank, device=values_bs.device)
+            else:
+                cols = thd_cp_columns(mb.cu_seqlens, cp, rank).to(values_bs.device)
+            whole[:, cols] = part
+        return whole
+
+    def _micro_batches(
+        self, samples: list[Sample], indices: list[int], seq_len: int, place: bool = True
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of the mini-batch `indices`, built whole; on the device (this CP rank's
+        columns) unless place=False."""
+        built = self._whole_micro_batches(samples, indices, seq_len)
+        return [self._place(mb) for mb in built] if place else built
+
+    def _whole_micro_batches(self, samples: list[Sample], indices: list[int], seq_len: int) -> list[MicroBatch]:
         if self.settings.packing != "off":
             return self._packed_micro_batches(samples, indices)
         ctx, settings = self.ctx, self.settings
@@ -208,9 +285,7 @@ class PolicyRunner:
         pad_rows = [-1] * (len(plans[0][0]) if plans and not settings.max_tokens_per_micro_batch else 1)
         plans += [(pad_rows, self._padding_length(plans[0][1] if plans else self._multiple))] * n_padding
         return [
-            build_micro_batch([samples[i] if i >= 0 else None for i in rows], rows, length, settings.pad_id).to(
-                ctx.device
-            )
+            build_micro_batch([samples[i] if i >= 0 else None for i in rows], rows, length, settings.pad_id)
             for rows, length in plans
         ]
 
@@ -221,7 +296,7 @@ class PolicyRunner:
         budget = settings.max_tokens_per_micro_batch
         plan = plan_packed(
             indices,
-            [sample_tokens(s) for s in samples],
+            [round_up(sample_tokens(s), self._slot) for s in samples],  # each sample's slot (THD under CP)
             ctx.dp_size,
             ctx.dp_rank,
             rows_per_micro=1 if budget else settings.micro_batch_size,
@@ -233,10 +308,13 @@ class PolicyRunner:
         n_padding = self._micro_batch_count(len(mine), len(plan.micro_batches)) - len(mine)
         pad_rows = [[] for _ in plan.micro_batches[0]] if ctx.pp_size > 1 else [[]]
         plans = [(rows, plan.row_len) for rows in mine] + [(pad_rows, self._padding_length(plan.row_len))] * n_padding
-        built = [build_packed_micro_batch(samples, rows, length, settings.pad_id) for rows, length in plans]
-        if settings.packing == "thd":
+        built = [
+            build_packed_micro_batch(samples, rows, length, settings.pad_id, slot_multiple=self._slot)
+            for rows, length in plans
+        ]
+        if self._packing == "thd":
             built = [_one_row(mb) for mb in built]
-        return [mb.to(ctx.device) for mb in built]
+        return built
 
     def _micro_batch_count(self, n_mine: int, n_most: int) -> int:
         """How many micro-batches this rank runs, given its own and the most of any DP rank: at least one (an
@@ -267,8 +345,9 @@ class PolicyRunner:
                 data_iterator=[iter(micro) for _ in self.chunks] if vpp > 1 else iter(micro),
                 model=self.chunks,
                 num_microbatches=len(micro),
-                # fixed shapes for pipeline sends unless config.variable_seq_lengths (token budgets)
-                seq_length=micro[0].tokens.shape[1],
+                # fixed shapes for pipeline sends unless config.variable_seq_lengths (token budgets); the whole
+                # row's length under context parallelism (Megatron divides it by CP: schedules.py get_tensor_shapes)
+                seq_length=micro[0].full_length or micro[0].tokens.shape[1],
                 micro_batch_size=micro[0].tokens.shape[0],
                 forward_only=forward_only,
                 collect_non_loss_data=forward_only,
@@ -301,8 +380,9 @@ class PolicyRunner:
     def _forward(self, model: Any, mb: MicroBatch, extra: dict[str, Any]) -> torch.Tensor:
         if mb.segment_ids is None:
             output = model(mb.tokens, mb.position_ids, None, **extra)  # [b, s, V/tp] on the last stage; causal
-        elif self.settings.packing == "thd":
-            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=thd_params(mb.segment_ids), **extra)
+        elif self._packing == "thd":
+            params = thd_params(mb.segment_ids) if mb.cu_seqlens is None else cp_thd_params(mb)
+            output = model(mb.tokens, mb.position_ids, None, packed_seq_params=params, **extra)
         else:
             # The local spec's layers are built causal, but its (unfused: masked_softmax_fusion is off without
             # TE) softmax uses a mask when one is passed (FusedScaleMaskSoftmax.forward_torch_softmax).
@@ -446,7 +526,7 @@ class MegatronActor(PolicyRunner):
         grad_norms, skipped = [], 0
         for j, micro in enumerate(batches.mini_batches):
             note(f"mini-batch {j + 1}/{len(batches.mini_batches)} of the update")  # hours a step at the recipes
-            computed = self.selection.computed(j, micro)
+            computed = self._computed(batches, j)
             if not computed:  # a rehearsal's mini-batch left uncomputed: no update (the same on every rank)
                 skipped += 1
                 continue
@@ -520,15 +600,22 @@ class MegatronActor(PolicyRunner):
             and self.settings.fused_loss_grad
             and not self.settings.loss.needs_whole_sequences
         ):
-            terms = token_loss_terms(old, adv, mask, self.settings.loss, **given)
+            terms = token_loss_terms(old, adv, mask, self.settings.loss, shards=self._shards, **given)
             logprobs_bs, entropy_bs, anchor = self._logprobs_with_loss_grad(mb, logits, terms)
         else:
             logprobs_bs, entropy_bs = self._token_logprobs(mb, logits)
         numerator, denominator, stats = dapo_loss(
-            per_seq(logprobs_bs), old, adv, mask, self.settings.loss, entropy_BT=per_seq(entropy_bs), **given
+            per_seq(logprobs_bs),
+            old,
+            adv,
+            mask,
+            self.settings.loss,
+            entropy_BT=per_seq(entropy_bs),
+            shards=self._shards,
+            **given,
         )
         if anchor is not None:  # the log-probs carried no gradient: the numerator's comes through the anchor
-            numerator = numerator + anchor * micro_batch_keep(stats, self.settings.loss)
+            numerator = numerator + anchor * micro_batch_keep(stats, self.settings.loss, self._shards)
         stats.update(
             loss=numerator.detach(),
             denominator=denominator.detach(),
@@ -566,9 +653,10 @@ class MegatronActor(PolicyRunner):
         return _to_bs(logp_N, (rows, cols), shape), _to_bs(entropy_N, (rows, cols), shape), anchor
 
     def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        """Sums live on the last stage of each DP replica: reduce over DP, then hand them to every stage."""
+        """Sums live on the last stage of each DP replica: reduce over DP x CP (CP ranks hold other columns of
+        the same samples; their per-sequence counts are the lead rank's), then hand them to every stage."""
         sums = sums.to(self.ctx.device)
-        dist.all_reduce(sums, group=self.ctx.pg.dp)
+        dist.all_reduce(sums, group=self.ctx.pg.dp_cp)
         if self.ctx.pp_size > 1:
             dist.all_reduce(sums, group=self.ctx.pg.pp)
         return sums.cpu()
@@ -642,10 +730,13 @@ def _placed_samples(batches: StepBatches, mb: MicroBatch) -> Iterator[tuple[Samp
 def _fresh_response_positions(batches: StepBatches, mb: MicroBatch, step: int) -> torch.Tensor:
     """[b, s] bool: the positions predicting a response token of an answer generated by this step's weights
     (a carried-over or continued answer began under older ones)."""
-    fresh = torch.zeros_like(mb.response_mask, dtype=torch.bool)
+    b = mb.response_mask.shape[0]
+    fresh = torch.zeros(b, mb.full_length or mb.response_mask.shape[1], dtype=torch.bool, device=mb.tokens.device)
     for sample, row, offset in _placed_samples(batches, mb):
         if sample.policy_step == step:
             fresh[row, offset : offset + sample_tokens(sample)] = True
+    if mb.cp_columns is not None:  # a CP rank's columns of the whole row (segments are the whole row's)
+        fresh = fresh[:, mb.cp_columns]
     return fresh & (mb.response_mask > 0)
 
 
@@ -757,6 +848,24 @@ def thd_params(segment_ids_bs: torch.Tensor) -> Any:
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
+    )
+
+
+def cp_thd_params(mb: MicroBatch) -> Any:
+    """PackedSeqParams (THD) of a CP rank's share of a packed row: the whole row's cu_seqlens and longest
+    sequence (Megatron's RoPE and Transformer Engine split them per CP rank themselves; the pads of each slot are
+    the sequence's tail, so the padded lengths are the same)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = mb.cu_seqlens.to(device=mb.tokens.device, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
     )
 
 

@@ -57,8 +57,10 @@ class RehearsalCompute(EveryMicroBatch):
 
     def cut(self, mb: MicroBatch) -> MicroBatch:
         """The first rows and positions (views) within REHEARSAL_LENGTH a row and REHEARSAL_TOKENS in all; packed
-        rows are kept whole. The whole micro-batch is still built and held; only the compute is cut."""
-        if mb.segment_ids is not None:
+        rows are kept whole. The whole micro-batch is still built and held; only the compute is cut. A CP rank's
+        share (cp_columns) is not cut again: under context parallelism the actor cuts the whole micro-batch
+        before the split (mcore/actor.py prepare)."""
+        if mb.segment_ids is not None or mb.cp_columns is not None:
             return mb
         length = min(mb.tokens.shape[1], round_up(REHEARSAL_LENGTH, self.multiple))
         return first_rows(mb, max(1, REHEARSAL_TOKENS // length), length)

@@ -83,6 +83,18 @@ PACKED_HEAD_LOSS_GRAD = {"tp": 2, "packing": "mask", "varied_samples": True, "ma
 # a sequence-level ratio, the unfused one), equals the one-process run of 4-sample micro-batches.
 POLICY_LOSS_RUNS = {"policy_losses": "dapo,gspo,cispo,sapo", "loss_agg_modes": "token-mean,seq-mean-token-mean",
                     "micro_batch_sizes": "4,16", "tis": "token"}  # fmt: skip
+# Context parallelism (docs/design/context_parallel.md section 9 steps 4-5): every sequence split over 2 CP ranks
+# (rows as Megatron's load-balanced chunks, packed rows as THD with slot padding), the loss's per-sequence sums
+# totalled over them. CP_POLICY's reference is the one-process POLICY_LOSS_RUNS (same samples, tis="token");
+# CP_SEQUENCE_SUMS has sequence TIS (a product of weights over the whole sequence) and a sequence count.
+CP_POLICY = {"cp": 2, "policy_losses": "dapo,gspo", "loss_agg_modes": "token-mean,seq-mean-token-mean",
+             "micro_batch_sizes": "4", "tis": "token"}  # fmt: skip
+CP_SEQUENCE_SUMS = {"policy_losses": "dapo,gspo", "loss_agg_modes": "seq-mean-token-mean,seq-mean-token-sum",
+                    "tis": "sequence"}  # fmt: skip
+CP_PACKED_LAYOUTS = [(2, {"cp": 2, "loss_agg_modes": "token-mean,seq-mean-token-mean"}),
+                     (4, {"tp": 2, "sp": True, "cp": 2}), (4, {"pp": 2, "cp": 2})]  # fmt: skip
+CP_RUNS = [(2, CP_POLICY), (1, CP_SEQUENCE_SUMS), (2, {"cp": 2, **CP_SEQUENCE_SUMS}),
+           *[(n, {**PACKED, **options}) for n, options in CP_PACKED_LAYOUTS]]  # fmt: skip
 # Every run the tests below ask `llama` for, made in one launch per process count when the module starts (a run
 # missing here is still made, in a launch of its own, when a test asks for it).
 LLAMA_RUNS = [
@@ -102,6 +114,7 @@ LLAMA_RUNS = [
     (2, {**PACKED_HEAD_LOSS_GRAD, "recompute_logits": True}),
     (1, POLICY_LOSS_RUNS),
     (2, {"tp": 2, **POLICY_LOSS_RUNS}),
+    *CP_RUNS,
 ]
 
 
@@ -306,3 +319,37 @@ def test_packed_rows_take_the_loss_gradient_in_the_head_forward_as_the_recompute
     assert len(in_forward["runs"]) == 4
     for run in in_forward["runs"]:
         assert_same(in_forward, recompute, run=run, reference_run=run)
+
+
+@pytest.mark.parametrize("policy_loss", ["dapo", "gspo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_context_parallel_2_gives_the_single_process_loss_log_probs_and_gradients(llama, policy_loss, mode):
+    """Each sample's row split over 2 CP ranks (chunks r and 3 - r of 4): the log-probs gathered back, the loss
+    and the gradients equal one process's; gspo's sequence ratio and seq-mean-token-mean's token counts are
+    sums over both ranks' tokens."""
+    one, cp2 = llama.run(1, **POLICY_LOSS_RUNS), llama.run(2, **CP_POLICY)
+    run = f"{mode}/4/0" + ("" if policy_loss == "dapo" else f"/{policy_loss}")
+    assert_same(cp2, one, run=run, reference_run=run)
+
+
+def test_context_parallel_2_sums_sequence_tis_and_counts_each_sequence_once(llama):
+    """Sequence TIS (a product of weights over the sequence's tokens, on both ranks) and seq-mean-token-sum's
+    sequence count (counted by CP rank 0 only): same loss and gradients as one process."""
+    one, cp2 = llama.run(1, **CP_SEQUENCE_SUMS), llama.run(2, cp=2, **CP_SEQUENCE_SUMS)
+    assert len(cp2["runs"]) == 4
+    for run in one["runs"]:
+        assert_same(cp2, one, run=run, reference_run=run)
+
+
+@pytest.mark.parametrize("nproc, options", CP_PACKED_LAYOUTS, ids=["cp2", "tp2+sp-x-cp2", "pp2-x-cp2"])
+def test_context_parallel_packed_thd_rows_and_token_budgets_match_the_single_process_run(llama, nproc, options):
+    """Padded rows and packed rows (THD under CP: each sample's slot a multiple of 2 CP, split per sequence), with
+    and without a token budget, at CP 2 alone, with TP 2 + SP and with PP 2 (the schedule's whole-row length):
+    the one-process log-probs, losses and gradients."""
+    one = llama.run(1, **PACKED, loss_agg_modes=ALL_MODES)
+    result = llama.run(nproc, **PACKED, **options)
+    for got, want in zip(result["logprobs_mask"], one["logprobs"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGPROB_ATOL)
+    assert len(result["runs"]) == 4 * len(options.get("loss_agg_modes", "token-mean").split(","))
+    for run in result["runs"]:
+        assert_same(result, one, run=run, reference_run=run)

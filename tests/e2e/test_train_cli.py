@@ -278,3 +278,19 @@ def test_validation_is_split_over_data_parallel_engine_replicas_with_partial_rol
     cli(*common, "trainer.steps=3", "checkpoint.resume=auto", ranks=1)
     resumed = read_rows(run_dir)[-1]
     assert resumed["step"] == 3 and (resumed["rollout/continued_answers"] > 0) == (pending > 0)
+
+
+def test_context_parallel_2_trains_the_demo_with_the_data_parallel_2_first_step(tmp_path):
+    """`torchrun --nproc_per_node 2 -m dapo_mcore.cli train examples/smoke_cpu.yaml parallel.context_parallel_size=2`
+    (docs/design/context_parallel.md, steps 4-5): each sequence split over the 2 ranks (packed rows as THD), the
+    loss's per-sequence sums over both. Same samples as DP 2 at the same world size (the engine and its seed do not
+    depend on the actor's layout), so the first step's loss and gradient norm are DP 2's to fp32 round-off."""
+    rows = {}
+    for name, extra in (("dp2", []), ("cp2", ["parallel.context_parallel_size=2"])):
+        run_dir = tmp_path / name
+        cli("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=1", f"logging.run_dir={run_dir}", *extra,
+            ranks=2)  # fmt: skip
+        rows[name] = read_rows(run_dir)[0]
+    for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
+        assert rows["cp2"][key] == pytest.approx(rows["dp2"][key], rel=1e-5), key
+    assert rows["cp2"]["actor/train_tokens"] == rows["dp2"]["actor/train_tokens"]

@@ -1,7 +1,7 @@
 """Worker for the parallel-layout tests (run under torchrun): the actor's loss, per-token log-probs and full
 HF-named gradients for a fixed batch, saved by rank 0 to --out.
 
-    torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --micro-batch-sizes 4
+    torchrun --nproc_per_node N actor_grads.py HF_DIR OUT --tp 2 --pp 2 --vpp 2 --cp 2 --micro-batch-sizes 4
              [--sp] [--max-tokens 0,64] [--loss-agg-modes token-mean,...] [--naive-logprobs]
              [--recompute-logits] [--entropy-coeffs 0,0.01] [--optimizer-step --dist-opt]
              [--packing off,mask --varied-samples]
@@ -41,7 +41,7 @@ from tests.helpers import random_samples
 
 
 def build(args, mbs):
-    ctx = init_parallel(args.tp, args.pp, args.device, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    ctx = init_parallel(args.tp, args.pp, args.device, vpp=args.vpp, ep=args.ep, etp=args.etp, cp=args.cp)
     if ctx.device.type == "cuda":  # fp32 comparisons: no TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     spec = read_model_spec(load_hf_config(args.hf_dir))
@@ -61,6 +61,7 @@ def build(args, mbs):
         etp=args.etp,
         moe_aux_loss_coeff=args.moe_aux_loss,
         moe_dispatcher=args.moe_dispatcher,
+        cp=args.cp,
     )
     chunks = build_gpt_chunks(spec, config, ctx=ctx, use_te=args.te)
     family = LlamaFamilyMap(spec, te_layer_names=args.te)
@@ -96,7 +97,7 @@ def build(args, mbs):
 
 def loss_of(ctx, totals):
     totals = totals.to(ctx.device)  # NCCL reduces GPU tensors only
-    dist.all_reduce(totals, group=ctx.pg.dp)
+    dist.all_reduce(totals, group=ctx.pg.dp_cp)  # CP ranks hold other columns of the same samples
     dist.all_reduce(totals, group=ctx.pg.pp)
     return (totals[0] / totals[1]).item()  # sum_keys: loss numerator, denominator, ...
 
@@ -160,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context parallel (each sequence split over CP ranks)")
     ap.add_argument("--sp", action="store_true", help="sequence parallel")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel (a MoE model)")
     ap.add_argument("--etp", type=int, default=0, help="expert tensor parallel (0: TP)")
