@@ -35,15 +35,17 @@ def optimizer_state(actor: Any, model_sd: dict[str, Any], optimizer_format: str,
 
 
 def refuse_other_layout(path: Path, saved: dict[str, Any], layout: dict[str, int], optimizer_format: str) -> None:
-    """A dp_reshardable save reloads at another data-parallel size only."""
+    """A dp_reshardable save reloads at another data-parallel or context-parallel size only: the distributed
+    optimizer shards over DP x CP (Megatron's dp_cp group), and CP changes no weight's layout."""
     if optimizer_format != "dp_reshardable":
         return
-    fixed = {key: value for key, value in saved.items() if key != "dp"}
-    if fixed == {key: value for key, value in layout.items() if key != "dp"}:
+    resharded = ("dp", "cp")  # a save made before CP records none: CP 1
+    fixed = {key: value for key, value in saved.items() if key not in resharded}
+    if fixed == {key: value for key, value in layout.items() if key not in resharded}:
         return
     raise CheckpointError(
         f"checkpoint {path} holds the optimizer state per data-parallel rank (checkpoint.optimizer_format="
-        f"dp_reshardable), which reloads at another DP size only: it was saved at {saved}, this run is {layout}; "
+        f"dp_reshardable), which reloads at another DP or CP size only: it was saved at {saved}, this run is {layout}; "
         "resume at the saved layout (any DP size), run one step there with checkpoint.optimizer_format="
         "fully_reshardable and checkpoint.save_interval=1, and resume that save at the new layout"
     )

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,22 @@ def test_context_parallel_2_trains_the_demo_with_the_data_parallel_2_first_step(
     for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
         assert rows["cp2"][key] == pytest.approx(rows["dp2"][key], rel=1e-5), key
     assert rows["cp2"]["actor/train_tokens"] == rows["dp2"]["actor/train_tokens"]
+
+
+def test_a_save_at_context_parallel_2_resumes_at_context_parallel_1(tmp_path):
+    """CP changes no weight's layout, and the distributed optimizer shards over DP x CP: a CP 2 save (its default
+    dp_reshardable optimizer format) resumes at CP 1 x DP 2 and takes step 2 as the CP 2 run did, the same answers
+    (the same weights, bit for bit) and the update to fp32 round-off."""
+    common = ("train", "examples/smoke_cpu.yaml", *SHORT, "trainer.steps=2", "checkpoint.save_interval=1",
+              "checkpoint.keep_last=5")  # fmt: skip
+    cp_dir, resumed_dir = tmp_path / "cp2", tmp_path / "resumed"
+    cli(*common, f"logging.run_dir={cp_dir}", "parallel.context_parallel_size=2", ranks=2)
+    shutil.copytree(cp_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_000002")
+    cli(*common, f"logging.run_dir={resumed_dir}", "checkpoint.resume=auto", ranks=2)
+    want, got = read_rows(cp_dir)[-1], read_rows(resumed_dir)[-1]
+    assert got["step"] == want["step"] == 2
+    for key in ("rollout/accuracy", "rollout/response_len_mean", "actor/train_tokens"):
+        assert got[key] == want[key], key
+    for key in ("loss/policy", "actor/grad_norm", "actor/entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
