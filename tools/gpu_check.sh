@@ -16,6 +16,10 @@
 #                   the host Adam's time a step
 #   sleep2          the demo at vLLM sleep level 2: the engine/actor log-prob gap after each push
 #   fp8             FP8 against bf16 at Qwen2.5-7B's hidden size, and the actor's MFU at its layer shape
+# then what one GPU settles about context parallelism (90 s):
+#   cp-checks       TE's THD partition == the CP split's columns (C 2, 4), TE's attention at C = 1 == the CPU twin's,
+#                   the actor's TE THD log-probs and gradients at CP 1 == the local packed path's
+#                   (tests/gpu/test_gpu_context_parallel.py; TE's CP collectives at C > 1 need one GPU per rank)
 # then the GPU tier and the benchmarks whose figures docs/benchmarks.md records: env gpu-tests bench-logprob
 # bench-actor bench-packing bench-memory dapo-step bench-actor-te dapo-stack-demo bench-rollout bench-weight-sync.
 #
@@ -42,7 +46,7 @@ py="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 dry="${DRY_RUN:-}"
 [[ "$dry" != 0 ]] || dry=""
-first="stack shape-7b moe-vllm offload-resume sleep2 fp8"
+first="stack shape-7b moe-vllm offload-resume sleep2 fp8 cp-checks"  # the six, then the CP checks
 later="env gpu-tests bench-logprob bench-actor bench-packing bench-memory dapo-step bench-actor-te dapo-stack-demo"
 later="$later bench-rollout bench-weight-sync"
 steps=" ${STEPS:-$first $later} "
@@ -362,6 +366,16 @@ step_needing vllm moe-vllm 60 moe_vllm_step
 bounded_step offload-resume 105 offload_resume_step
 step_needing vllm sleep2 75 sleep2_step
 step_needing transformer_engine.pytorch fp8 90 fp8_step
+
+# ---- what one GPU settles about context parallelism (docs/design/context_parallel.md section 9 step 10) ----
+
+cp_checks_step() {
+  # pytest's own report (its skips with their reasons: -rs) also in $out/cp-checks.figures.txt
+  local tests=tests/gpu/test_gpu_context_parallel.py
+  need "$tests" tests/gpu/workers/cp_attention.py tests/dist/workers/actor_grads.py || return
+  into "$out/cp-checks.figures.txt" gpu "$py" -m pytest -q -rs "$tests"
+}
+step_needing transformer_engine.pytorch cp-checks 90 cp_checks_step
 
 # ---- the GPU tier and the benchmarks (each STEP_LIMIT, default 600 s, unless given) ----
 

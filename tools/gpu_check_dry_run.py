@@ -9,7 +9,9 @@ import contextlib
 import importlib.util
 import io
 import logging
+import re
 import runpy
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -115,6 +117,22 @@ def torchrun_problems(args, notes):
     return train_problems(launch.training_script_args, notes)
 
 
+def pytest_problems(args, checked):
+    """`python -m pytest ARGS` collected (not run) in a process of its own, as on the GPU machine: a test file
+    that does not import, a -k that selects nothing, a missing path fail the step. (Here the GPU tier's tests
+    skip without CUDA: collecting them is what can be checked.)"""
+    collect = [python, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *args]
+    done = subprocess.run(collect, capture_output=True, text=True, timeout=120)
+    said = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)  # "N tests collected", "N/M ..." with -k
+    per_file = re.findall(r"^\S+\.py: (\d+)$", done.stdout, re.M)  # -qq: "FILE: N" a file
+    count = int(said.group(1)) if said else sum(map(int, per_file))
+    if done.returncode != 0 or not count:
+        why = "no test selected" if done.returncode == 5 else last_line(done.stdout + done.stderr, "no output")
+        return [f"pytest --collect-only exited {done.returncode}: {why}"]
+    checked.append(f"pytest collected {count} tests")
+    return []
+
+
 def command_problems(argv, checked, notes):
     """Why the recorded command would fail before doing its work; what was checked goes into `checked`."""
     if argv[0] != python:  # nvidia-smi and the like: nothing to check without the GPU
@@ -137,6 +155,8 @@ def command_problems(argv, checked, notes):
         if module == "dapo_mcore.cli":
             checked.append("DAPO run checked")
             return train_problems(args, notes)
+        if module == "pytest":
+            return pytest_problems(args, checked)
         checked.append(f"module {module} found")
         return [] if importlib.util.find_spec(module) else [f"no module {module}"]
     script, args = argv[1], argv[2:]
