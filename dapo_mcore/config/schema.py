@@ -74,8 +74,8 @@ class ParallelConfig:
     # Context parallelism (CP) of the actor: each sequence split over this many ranks (Megatron's CP groups), for
     # answers whose activations do not fit one rank; CP ranks hold the same weights, so DP = world / (TP x PP x
     # CP). Rows are cut into 2 CP chunks (packed rows as THD, each sample's slot a multiple of 2 CP), the loss's
-    # per-sequence sums taken over the CP ranks: the same loss and gradients as CP 1. Dense models only so far
-    # (mixture-of-experts models are refused above 1; docs/design/context_parallel.md).
+    # per-sequence sums taken over the CP ranks: the same loss and gradients as CP 1, for dense and
+    # mixture-of-experts models (docs/design/context_parallel.md, docs/moe.md).
     context_parallel_size: int = 1
     # Mixture-of-experts models: experts split over this many ranks (expert parallelism, EP); the other
     # layers keep TP x PP x DP. EP x expert TP x PP must divide the world size, EP the number of experts.

@@ -37,8 +37,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _check_parallel(cfg: RunConfig) -> None:
-    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback); the peer watch's timeout;
-    context parallelism, not yet trainable."""
+    """Sizes the layout arithmetic divides by (a 0 was a ZeroDivisionError traceback); the peer watch's timeout."""
     par = cfg.parallel
     for name in (
         "tensor_model_parallel_size",
@@ -57,29 +56,6 @@ def _check_parallel(cfg: RunConfig) -> None:
         f"parallel.peer_timeout_s must be 0 (no watch) or >= {MIN_PEER_TIMEOUT_S:.0f} s, got {par.peer_timeout_s}: "
         f"shorter, a busy host's pause (swapping, a long garbage collection) could end a healthy run",
     )
-    # The actor splits each sequence over its CP ranks and the loss sums its per-sequence terms over them
-    # (docs/design/context_parallel.md section 9 steps 1-5, dense models); mixture-of-experts layers under CP
-    # (the routers' load-balancing loss over TP x CP, step 6) are not verified yet: refused, one line, so that
-    # train, rehearse and check all say it the same way.
-    cp = par.context_parallel_size
-    _require(
-        cp <= 1 or not _is_moe(cfg),
-        f"parallel.context_parallel_size={cp} with a mixture-of-experts model: context parallelism is verified for "
-        "dense models only so far; run MoE models at parallel.context_parallel_size=1 "
-        "(docs/design/context_parallel.md)",
-    )
-
-
-def _is_moe(cfg: RunConfig) -> bool:
-    """The model's config.json names experts (read as config/model_spec.py does; False where it cannot be read:
-    _check_model says why)."""
-    import json
-
-    try:
-        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def _check_model(cfg: RunConfig) -> None:

@@ -372,8 +372,11 @@ class PolicyRunner:
         extra = {}
         if self.routing is not None:
             extra["padding_mask"] = self._padding_mask(model, mb)
-            # padding only: the routers' losses would divide by its 0 tokens (moe.RouterTarget)
-            self.routing.set_targets(model, mb.routing, mb.routing_compared, losses=mb.real_tokens > 0)
+            # padding only: the routers' losses would divide by its 0 tokens (moe.RouterTarget). A CP rank's share
+            # may hold no real token while its peers' do: the flag is the whole micro-batch's (its samples), the
+            # same on every CP rank, which reduce the routers' expert counts over TP x CP together.
+            real = mb.real_tokens > 0 if mb.cp_columns is None else bool(mb.segments)
+            self.routing.set_targets(model, mb.routing, mb.routing_compared, losses=real)
         output = self._forward(model, mb, extra)
         return output, partial(self._logprob_output if forward_only else self._loss, mb)
 

@@ -37,9 +37,10 @@ _AUX_LOSS = "load_balancing_loss"  # the tracker's name for the aux_loss type
 
 
 def _sum_over_ranks(values: torch.Tensor, ctx: ParallelContext, sequence_parallel: bool) -> torch.Tensor:
-    """Per-rank sums of per-layer counts summed over the ranks that saw other tokens or held other layers: DP,
-    PP, and TP under sequence parallelism (without it, the TP ranks' routers saw the same tokens)."""
-    groups = [ctx.pg.dp] + ([ctx.pg.pp] if ctx.pp_size > 1 else [])
+    """Per-rank sums of per-layer counts summed over the ranks that saw other tokens or held other layers: DP and
+    CP (dp_cp: each CP rank's routers saw its columns of the sequences), PP, and TP under sequence parallelism
+    (without it, the TP ranks' routers saw the same tokens)."""
+    groups = [ctx.pg.dp_cp] + ([ctx.pg.pp] if ctx.pp_size > 1 else [])
     if ctx.tp_size > 1 and sequence_parallel:
         groups.append(ctx.pg.tp)
     for group in groups:
@@ -99,7 +100,7 @@ class RouterMetrics:
             self._collecting = False
 
     def metrics(self) -> dict[str, float]:
-        """router/* of the collected micro-batches, the same on every rank (collective over DP, PP and, with
+        """router/* of the collected micro-batches, the same on every rank (collective over DP, CP, PP and, with
         sequence parallelism, TP: every rank's routers saw other tokens, or other layers)."""
         tokens_LE, calls_L, aux_L = self._reduced()
         out: dict[str, float] = {}
@@ -135,8 +136,11 @@ class RouterMetrics:
         stacked = torch.cat([self.tokens_LE.flatten(), self.calls_L, aux_L])
         stacked = _sum_over_ranks(stacked, ctx, self._sequence_parallel)
         tokens_LE, calls_L, aux_L = stacked.split([self.tokens_LE.numel(), layers, layers])
-        if ctx.tp_size > 1 and self._sequence_parallel:  # each TP rank's aux loss is its tokens' share: summed
-            calls_L = calls_L / ctx.tp_size
+        # each TP (under SP) and CP rank's aux loss is its tokens' share (Megatron reduces the expert counts over
+        # tp_cp): summed above, so each routing call was counted once per rank of the split
+        split = (ctx.tp_size if self._sequence_parallel else 1) * ctx.cp_size
+        if split > 1:
+            calls_L = calls_L / split
         return tokens_LE.view_as(self.tokens_LE), calls_L, aux_L if tracker is not None else None
 
 
@@ -274,7 +278,9 @@ class RoutingReplay:
         self, model: Any, routing_bsLk: torch.Tensor | None, counted_bs: torch.Tensor | None, losses: bool = True
     ) -> None:
         """Before one micro-batch's forward on `model` (a chunk): each router's target, in its token order
-        (sequence-first, this TP rank's share of the sequence under sequence parallelism). counted_bs: where
+        (sequence-first, this TP rank's share of the sequence under sequence parallelism; under context
+        parallelism routing_bsLk is already this CP rank's columns, split with the micro-batch, and SP takes
+        its TP rank's slice of those, as Megatron scatters the CP rank's sequence). counted_bs: where
         the agreement is counted (None: nowhere); losses: whether the routers' losses are taken (RouterTarget)."""
         for hook in self.hooks[id(unwrap(model))]:
             if routing_bsLk is None:

@@ -45,6 +45,16 @@ RUNS = [  # (processes, layout): the first of each data-parallel size is the ref
 BUDGET = {**GRADS, "varied_samples": True, "max_tokens": 64}
 # EP 2 under that budget, padded rows then packed ones, without and with full recompute (the 30B-A3B recipe's)
 BOTH_PATHS = {**BUDGET, "ep": 2, "packing": "off,mask"}
+# Context parallelism (docs/design/context_parallel.md section 9 step 6): EP 2 x CP 2 on 4 ranks against CP 1 at
+# the same DP 2. Routing replay on, the aux loss off (the plan's first check); then the aux loss on, rows without
+# padding (every sample 16 tokens): Megatron reduces the expert counts over TP x CP and weighs each CP rank's
+# share by its own tokens, and the aux loss's gradient came out CP 1's with no compensation (unlike SP's 1/TP,
+# mcore/provider.py _moe_kwargs): measured at coefficient 0.1, ratio 1.000000, gradients within 4e-8, with
+# padded rows too (the CP ranks' shares then hold unequal real tokens), so the padded rows are compared as well.
+CP_REPLAY = {"moe_aux_loss": 0.0, "routing_replay": True}
+CP_AUX = {**GRADS, "equal_samples": True}
+CP_RUNS = [(2, CP_REPLAY), (4, {**CP_REPLAY, "ep": 2, "cp": 2}), (2, CP_AUX), (4, {**CP_AUX, "ep": 2, "cp": 2}),
+           (4, {**GRADS, "ep": 2, "cp": 2})]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,7 @@ def moe(tmp_path_factory) -> Layouts:
         (layouts, 2, BOTH_PATHS),
         (layouts, 2, {**BOTH_PATHS, "recompute": "full"}),
     ]
-    prefetch([(layouts, nproc, layout) for nproc, layout in RUNS] + grads)
+    prefetch([(layouts, nproc, layout) for nproc, layout in RUNS + CP_RUNS] + grads)
     return layouts
 
 
@@ -141,3 +151,31 @@ def test_expert_names_are_global_at_every_layout(moe, tmp_path: Path):
         assert set(weights) == set(reference), layout
         for name, tensor in reference.items():
             assert torch.equal(weights[name], tensor), (layout, name)
+
+
+def _same_router_metrics(result: dict, reference: dict, run: str = "token-mean/4/0") -> None:
+    got, want = result["runs"][run]["router"], reference["runs"][run]["router"]
+    assert set(got) == set(want) and want
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-6), name
+
+
+def test_expert_and_context_parallel_give_the_gradients_of_cp_1(moe):
+    """EP 2 x CP 2: each sequence split over 2 CP ranks, the engine's routing split with it (each CP rank's
+    routers replay its columns), the experts over EP; the router metrics summed over CP too."""
+    result, reference = moe.run(4, **CP_REPLAY, ep=2, cp=2), moe.run(2, **CP_REPLAY)
+    assert_same(result, reference)
+    _same_router_metrics(result, reference)
+
+
+def test_the_load_balancing_loss_under_context_parallel_is_that_of_cp_1_without_padding(moe):
+    result, reference = moe.run(4, **CP_AUX, ep=2, cp=2), moe.run(2, **CP_AUX)
+    assert_same(result, reference)
+    _same_router_metrics(result, reference)
+    assert "router/aux_loss" in reference["runs"]["token-mean/4/0"]["router"]
+
+
+def test_the_load_balancing_loss_under_context_parallel_with_padding(moe):
+    result, reference = moe.run(4, **GRADS, ep=2, cp=2), moe.run(2, **GRADS)
+    assert_same(result, reference)
+    _same_router_metrics(result, reference)

@@ -19,6 +19,7 @@ Result: {"logprobs": per-sample old log-probs, "weights": HF-named weights as lo
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -190,6 +191,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dist-opt", action="store_true", help="Megatron's distributed optimizer")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--packing", default="off", help="packing modes to run (off, mask, thd)")
+    ap.add_argument("--equal-samples", action="store_true", help="every sample 16 tokens (rows without padding)")
     ap.add_argument("--varied-samples", action="store_true", help="lengths up to the largest token budget")
     return ap
 
@@ -199,6 +201,12 @@ def run(args) -> None:
     ctx, actor, exporter = build(args, sizes[0])
     budgets, packings = [int(x) for x in args.max_tokens.split(",")], args.packing.split(",")
     samples = varied_samples(max(budgets)) if args.varied_samples else random_samples(args.samples, seed=7)
+    if args.equal_samples:  # every row 16 tokens: padded rows without padding (a multiple of 2 CP x TP)
+        for sample in samples:
+            sample.prompt_ids = (sample.prompt_ids * 4)[:4]
+            sample.response_ids = (sample.response_ids * 12)[:12]
+            sample.rollout_logprobs = (sample.rollout_logprobs * 12)[:12]
+            sample.old_logprobs = (sample.old_logprobs * 12)[:12]
     if args.routing_replay:
         add_routing(samples, actor.spec)
     gpt = actor.chunks[0].module
@@ -220,12 +228,15 @@ def run(args) -> None:
         actor.settings = dataclasses.replace(
             actor.settings, micro_batch_size=mbs, loss=loss, max_tokens_per_micro_batch=budget, packing=packing
         )
-        totals = actor.compute_gradients(samples, list(range(len(samples))))
+        router = actor.router_metrics
+        with router.collecting() if router is not None else contextlib.nullcontext():
+            totals = actor.compute_gradients(samples, list(range(len(samples))))
         grads = {name: t.clone() for name, t in exporter.hf_weights(grads=True)}
         key = f"{mode}/{mbs}/{budget}" + ("" if packing == "off" else f"/{packing}")
         key += f"/entropy {entropy}" if float(entropy) else ""
         key += "" if policy_loss == "dapo" else f"/{policy_loss}"
-        result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads}
+        result["runs"][key] = {"loss": loss_of(ctx, totals), "grads": grads,
+                               "router": router.metrics() if router is not None else {}}  # fmt: skip
     if args.optimizer_step:
         actor.settings = dataclasses.replace(
             actor.settings,
