@@ -56,9 +56,9 @@ def rehearse_command(args: argparse.Namespace) -> int:
         counts = per_rank_counts(shape, world, load) if per_rank else full_counts(shape, world)
         run_dir = out / f"N{world}"
         # the user's overrides describe the recipe (its counts are the shape above); the rehearsal's come last
-        ep, engine_tp = shape.expert_parallel_at(world), shape.engine_tp_at(world)
+        ep, engine_tp, cp = shape.expert_parallel_at(world), shape.engine_tp_at(world), shape.context_parallel_at(world)
         rehearsal_part = rehearsal_overrides(
-            counts, model_dir, run_dir, args.mean_len, steps, args.micro_batches, not args.no_save, ep, engine_tp
+            counts, model_dir, run_dir, args.mean_len, steps, args.micro_batches, not args.no_save, ep, engine_tp, cp
         )
         overrides = [*args.overrides, *rehearsal_part]
         if not args.report_only:

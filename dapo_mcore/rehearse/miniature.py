@@ -8,7 +8,7 @@ runs each file of examples/ so, its save and an exact resume included).
   recipes' SmolLM2), examples/models/tiny-arith-moe for a mixture of experts (Qwen3-30B-A3B); their task, the
   arithmetic problems (a recipe's prompt file and its instruction would not fit their 128 positions);
 - the layout: every parallel dimension the recipe uses above 1 kept, cut to 2 (TP 2 keeps its sequence
-  parallelism, PP 2 its VPP where the tiny model's layers allow it, EP 2), and data parallelism 2 (every recipe
+  parallelism, PP 2 its VPP where the tiny model's layers allow it, EP 2, CP 2), and data parallelism 2 (every recipe
   trains data-parallel at its GPU count; a CPU recipe's one process gets a second rank) within a world of 4;
 - the counts: 2 prompts x at most 8 answers a step, at most 2 updates a step, answers of at most 32 tokens, the
   lengths the recipe relates to its answer length (overlong buffer, length penalty, loss_norm_len) and its token
@@ -57,7 +57,7 @@ SHRUNK = (
     "model.recompute_num_layers",
     "parallel.device", "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.virtual_pipeline_model_parallel_size", "parallel.expert_model_parallel_size",
-    "parallel.expert_tensor_parallel_size",
+    "parallel.expert_tensor_parallel_size", "parallel.context_parallel_size",
     "optimizer.cpu_offload",
     "rollout.engine", "rollout.engine_tp_size", "rollout.max_model_len", "rollout.n_samples_per_prompt",
     "rollout.prompts_per_step", "rollout.gen_prompts_per_round", "rollout.sampling.max_response_len",
@@ -100,7 +100,7 @@ def packing_on_its_device(cfg: RunConfig) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """A miniature's actor layout; data parallelism fills the world (world = TP x PP x DP)."""
+    """A miniature's actor layout; data parallelism fills the world (world = TP x PP x CP x DP)."""
 
     tp: int = 1
     pp: int = 1
@@ -109,15 +109,17 @@ class Layout:
     etp: int = 0  # expert TP; 0: the same as TP
     sp: bool = False
     dp: int = DATA_PARALLEL
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def layout_free(self) -> bool:
-        """No model parallelism: every rank holds the whole model (data parallelism only)."""
-        return self.tp == self.pp == self.ep == 1
+        """No model (or sequence) parallelism: every rank holds the whole model and whole sequences (data
+        parallelism only)."""
+        return self.tp == self.pp == self.ep == self.cp == 1
 
     def overrides(self) -> list[str]:
         return [
@@ -127,6 +129,7 @@ class Layout:
             f"parallel.virtual_pipeline_model_parallel_size={self.vpp}",
             f"parallel.expert_model_parallel_size={self.ep}",
             f"parallel.expert_tensor_parallel_size={self.etp}",
+            f"parallel.context_parallel_size={self.cp}",
         ]
 
     def without_model_parallelism(self) -> Layout:
@@ -137,6 +140,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"TP {self.tp}" + (" + SP" if self.sp else "")] if self.tp > 1 else []
         parts += [f"PP {self.pp}" + (f" x VPP {self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
+        parts += [f"CP {self.cp}"] if self.cp > 1 else []
         experts = f", EP {self.ep} over TP x DP" if self.ep > 1 else ""
         return " x ".join([*parts, f"DP {self.dp}"]) + f"{experts} ({self.world} ranks)"
 
@@ -148,14 +152,16 @@ def _cut(size: int) -> int:
 def miniature_layout(cfg: RunConfig, layers: int = TINY_LAYERS) -> Layout:
     """Every parallel dimension the recipe uses above 1 cut to 2, and DP 2 where the world stays within 4."""
     par = cfg.parallel
-    tp, pp, ep = (_cut(n) for n in (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                     par.expert_model_parallel_size))  # fmt: skip
+    tp, pp, ep, cp = (_cut(n) for n in (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                         par.expert_model_parallel_size, par.context_parallel_size))  # fmt: skip
     vpp = par.virtual_pipeline_model_parallel_size if pp > 1 else 1
     if layers % (pp * vpp):  # the tiny model's 2 layers hold PP 2 but no virtual stages on top
         vpp = 1
     etp = par.expert_tensor_parallel_size if par.expert_tensor_parallel_size <= 1 else min(2, tp)
-    dp = DATA_PARALLEL if tp * pp * DATA_PARALLEL <= LARGEST_WORLD else 1
-    layout = Layout(tp, pp, vpp, ep, etp, par.sequence_parallel and tp > 1, dp)
+    dp = DATA_PARALLEL if tp * pp * cp * DATA_PARALLEL <= LARGEST_WORLD else 1
+    layout = Layout(tp, pp, vpp, ep, etp, par.sequence_parallel and tp > 1, dp, cp)
+    if layout.world > LARGEST_WORLD:
+        raise ConfigError(f"the miniature's {layout.describe()} needs more than {LARGEST_WORLD} ranks")
     expert_ranks = ep * (etp or tp) * pp
     if layout.world % expert_ranks:
         raise ConfigError(f"the miniature's {layout.describe()} cannot hold EP {ep} x expert TP {etp or tp} x PP {pp}")

@@ -330,6 +330,11 @@ class Rehearsal:
             f"- each process: one actor DP rank and {_engine_share(s.engine_tp)} of the synthetic engine, "
             f"{self.steps} step(s)" + (", a save and its resume (a second launch)" if self.saves else ", no save"),
         ]
+        if s.context_parallel > 1:
+            lines.append(
+                f"- context parallelism: the recipe's CP {s.context_parallel}, rehearsed at CP 2 where N is even "
+                "(a pair of processes is one actor DP rank; its K/V all-gathers are in the phases' bytes)"
+            )
         if s.expert_parallel > 1:
             lines.append(
                 f"- experts: the recipe's EP {s.expert_parallel}, rehearsed at the largest EP that divides it and N "

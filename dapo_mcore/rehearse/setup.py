@@ -3,7 +3,8 @@ the chosen mode, on N CPU (gloo) processes (docs/rehearsal.md).
 
 The shrunk model keeps what every per-token and per-expert array is sized by (the vocabulary, the experts, the
 top-k) and cuts what only the compute is (hidden size, heads, FFN width, layers). Each rehearsal process is one
-data-parallel rank of the actor (TP 1) and one engine replica. Two modes:
+data-parallel rank of the actor (TP 1; with the recipe's context parallelism, cut to 2, one CP rank of a DP rank)
+and one engine replica. Two modes:
 
 - per-rank: each process carries the load one rank of the recipe's world carries (its share of the step's
   prompts and answers, of each round's prompts per engine replica, of each mini-batch), scaled by `load`;
@@ -42,7 +43,7 @@ class RecipeShape:
     """What of the recipe sets a rank's share: its world (the job's GPUs), layout and counts."""
 
     gpus: int
-    dp: int  # actor data-parallel ranks: gpus / (TP x PP)
+    dp: int  # actor data-parallel ranks: gpus / (TP x PP x CP)
     replicas: int  # engine replicas: gpus / rollout.engine_tp_size
     prompts_per_step: int
     answers_per_prompt: int
@@ -52,6 +53,7 @@ class RecipeShape:
     micro_batch_size: int = 1  # the smallest mini-batch the trainer takes
     expert_parallel: int = 1  # the recipe's EP
     engine_tp: int = 1  # the recipe's rollout.engine_tp_size
+    context_parallel: int = 1  # the recipe's CP
 
     def expert_parallel_at(self, world: int) -> int:
         """The EP a rehearsal of `world` processes runs (each one DP rank at TP 1): the largest that divides both
@@ -65,13 +67,19 @@ class RecipeShape:
         together, and take turns sending its groups, as in the recipe."""
         return math.gcd(self.engine_tp, world)
 
+    def context_parallel_at(self, world: int) -> int:
+        """The CP a rehearsal of `world` processes runs: the recipe's cut to 2 (as the miniatures cut it), where
+        the world holds it; each CP pair is then one data-parallel rank that splits its sequences, gathers K and V
+        over the pair in every layer (counted by the probes) and reduces its loss and gradients over it."""
+        return 2 if self.context_parallel > 1 and world % 2 == 0 else 1
+
     @classmethod
     def of(cls, cfg: RunConfig, gpus: int) -> RecipeShape:
         par, ro = cfg.parallel, cfg.rollout
-        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
         if gpus % model_parallel or gpus % ro.engine_tp_size:
             raise ConfigError(
-                f"--gpus {gpus} is not a multiple of the recipe's TP x PP ({model_parallel}) and engine TP "
+                f"--gpus {gpus} is not a multiple of the recipe's TP x PP x CP ({model_parallel}) and engine TP "
                 f"({ro.engine_tp_size}): give the job's GPU count"
             )
         return cls(
@@ -86,6 +94,7 @@ class RecipeShape:
             cfg.trainer.micro_batch_size,
             par.expert_model_parallel_size,
             ro.engine_tp_size,
+            par.context_parallel_size,
         )
 
     @property
@@ -121,15 +130,17 @@ def default_load(shape: RecipeShape, mean_len: float) -> float:
 
 def per_rank_counts(shape: RecipeShape, world: int, load: float) -> Counts:
     """`world` processes, each with `load` x the share of one recipe rank: its DP share of the step's prompts
-    and of each mini-batch; each of the rehearsal's engine replicas `load` x a recipe replica's share of each
-    round's prompts (at least its ranks' prompts)."""
+    and of each mini-batch (under context parallelism a DP rank's share, split over its CP ranks, as in the
+    recipe); each of the rehearsal's engine replicas `load` x a recipe replica's share of each round's prompts
+    (at least its ranks' prompts)."""
     prompts = max(1, round(load * shape.prompts_per_step / shape.dp))
     engine_tp = shape.engine_tp_at(world)
     per_round = max(prompts * engine_tp, round(load * shape.prompts_per_round / shape.replicas))
-    answers = world * prompts * shape.answers_per_prompt
+    dp = world // shape.context_parallel_at(world)
+    answers = dp * prompts * shape.answers_per_prompt
     # the recipe's updates a step, as far as the trainer's micro-batch size lets a small load keep them
     mini_batch = max(shape.micro_batch_size, answers // shape.updates_per_step)
-    return Counts(world, world * prompts, world // engine_tp * per_round, min(mini_batch, answers))
+    return Counts(world, dp * prompts, world // engine_tp * per_round, min(mini_batch, answers))
 
 
 def full_counts(shape: RecipeShape, world: int) -> Counts:
@@ -178,6 +189,7 @@ def rehearsal_overrides(
     save: bool = True,
     expert_parallel: int = 1,
     engine_tp: int = 1,
+    context_parallel: int = 1,
 ) -> list[str]:
     """What turns the recipe into the rehearsal (after the user's overrides of the recipe: command.py)."""
     return [
@@ -189,7 +201,7 @@ def rehearsal_overrides(
         f"rollout.synthetic.mean_len_last={mean_len}",
         # what every CPU run of a recipe sets (shared with the recipes in miniature: miniature.py)
         *cpu_overrides(),
-        # the shrunk model, one DP rank a process
+        # the shrunk model, one DP rank a process (one CP rank of one under context parallelism)
         f"model.hf_path={model_dir}",
         "model.init=random",
         "parallel.tensor_model_parallel_size=1",
@@ -197,6 +209,7 @@ def rehearsal_overrides(
         "parallel.virtual_pipeline_model_parallel_size=1",
         "parallel.sequence_parallel=false",
         f"parallel.expert_model_parallel_size={expert_parallel}",
+        f"parallel.context_parallel_size={context_parallel}",
         f"rollout.engine_tp_size={engine_tp}",
         "rollout.offload_actor=false",
         # padded rows by token budget, as the GPU recipes' Transformer Engine runs `auto` (miniature.py

@@ -7,7 +7,7 @@ is a change of its test. Per recipe:
 - run B: a copy of A without its step-2 save, resumed from the step-1 save: step 2's metrics (all but times and
   memory) and the saved state (weights, optimizer, RNG: the whole distributed checkpoint, but for the padding
   between parameters that Megatron writes from uninitialised memory) equal A's, bit for bit;
-- where the layout has model parallelism (TP, PP, EP), its layout-free reference (the same world as data
+- where the layout has model or context parallelism (TP, PP, EP, CP), its layout-free reference (the same world as data
   parallelism alone: as many engine replicas, so the same rollouts) takes the same first step: the same rollouts,
   and loss, gradient norm and entropy to 1e-5 relative (DESIGN.md rule 10 on a whole run).
 
@@ -36,6 +36,10 @@ from tests.e2e.test_train_cli import cli, read_rows
 
 EXAMPLES = REPO / "examples"
 RECIPES = sorted(path.stem for path in EXAMPLES.glob("*.yaml"))
+# Variants of a recipe, as a user would run it (overrides after the recipe), in miniature as the recipes are:
+# the 7B recipe at context parallelism 2 (TP 2 + SP x CP 2 within the 4 ranks, DP 1; its reference DP 4)
+VARIANTS = {"dapo_qwen2.5_7b_h100+cp2": ("dapo_qwen2.5_7b_h100", ("parallel.context_parallel_size=2",))}
+CASES = [*RECIPES, *VARIANTS]
 FINITE = ("loss/policy", "actor/grad_norm")
 # The layout-free reference's first step: TP and EP sum in other orders (observed relative differences: loss 1e-7,
 # gradient norm 4e-8, entropy 2e-6 at TP 2 + SP; at EP 2: 0, 2e-8, 1e-7)
@@ -43,25 +47,38 @@ REFERENCE_RTOL = 1e-5
 CLOSE = ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/ratio_mean")
 
 
-def shrunk(recipe: str) -> tuple[Path, Miniature]:
-    path = EXAMPLES / f"{recipe}.yaml"
-    cfg = load_config(path)
-    return path, miniature(cfg, recipe_model_config(cfg), recipe)
+def recipe_of(case: str) -> tuple[Path, tuple[str, ...]]:
+    """A case's recipe file and the overrides that make it the case (none for a recipe as it is)."""
+    recipe, extra = VARIANTS.get(case, (case, ()))
+    return EXAMPLES / f"{recipe}.yaml", extra
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+def shrunk(case: str) -> tuple[Path, Miniature]:
+    """The case's recipe file and its miniature, whose overrides (of the recipe file) include the variant's."""
+    path, extra = recipe_of(case)
+    cfg = load_config(path, list(extra))
+    mini = miniature(cfg, recipe_model_config(cfg), case)
+    return path, Miniature(mini.recipe, mini.layout, (*extra, *mini.overrides), mini.model)
+
+
+@pytest.mark.parametrize("recipe", CASES)
 def test_recipe_miniature_keeps_every_knob_it_does_not_shrink(recipe):
     path, mini = shrunk(recipe)
-    cfg, small = load_config(path), load_config(path, mini.overrides)
+    cfg, small = load_config(path, list(recipe_of(recipe)[1])), load_config(path, mini.overrides)
     validate(small)
     changed = [key for key, _, _ in config_changes(config_to_dict(cfg), config_to_dict(small))]
     assert [key for key in changed if not any(fnmatch.fnmatchcase(key, p) for p in SHRUNK)] == []
     big, par = cfg.parallel, small.parallel
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "context_parallel_size",
+    ):
         assert (getattr(par, name) > 1) == (getattr(big, name) > 1) and getattr(par, name) <= 2, name
     assert par.sequence_parallel == big.sequence_parallel and 2 <= mini.world <= 4
     assert (small.trainer.max_tokens_per_micro_batch > 0) == (cfg.trainer.max_tokens_per_micro_batch > 0)
-    assert (mini.model.name == "tiny-arith-moe") == (recipe == "dapo_qwen3_30b_a3b_h100")
+    assert (mini.model.name == "tiny-arith-moe") == (recipe_of(recipe)[0].stem == "dapo_qwen3_30b_a3b_h100")
 
 
 @pytest.mark.parametrize(
@@ -75,10 +92,13 @@ def test_recipe_miniature_keeps_every_knob_it_does_not_shrink(recipe):
           "parallel.sequence_parallel=true"], 2, Layout(tp=2, pp=2, sp=True, dp=1)),  # within 4 ranks
         (["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8"], 2,
          Layout(tp=2, ep=2, dp=2)),
+        (["parallel.context_parallel_size=4"], 2, Layout(cp=2, dp=2)),
+        (["parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=4",
+          "parallel.sequence_parallel=true"], 2, Layout(tp=2, sp=True, cp=2, dp=1)),  # within 4 ranks
     ],
 )  # fmt: skip
 def test_a_miniature_layout_cuts_each_parallel_dimension_to_two_within_four_ranks(recipe_layout, layers, want):
-    """The recipes use TP, SP and EP; PP and VPP, as a recipe would set them, are cut alike."""
+    """The recipes use TP, SP and EP; PP, VPP and CP, as a recipe would set them, are cut alike."""
     assert miniature_layout(load_config(EXAMPLES / "dapo_paper.yaml", recipe_layout), layers) == want
     assert want.without_model_parallelism() == Layout(dp=want.world)
 
@@ -184,7 +204,7 @@ def _finite(row: dict, key: str) -> bool:
     return isinstance(row.get(key), int | float) and math.isfinite(row[key])
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", CASES)
 def test_recipe_in_miniature(recipe, miniature_runs):
     path, mini = shrunk(recipe)
     runs = miniature_runs(path, mini)
@@ -194,8 +214,9 @@ def test_recipe_in_miniature(recipe, miniature_runs):
         assert row["actor/updates"] > 0 and all(_finite(row, key) for key in FINITE), row
     # the layout ran as shrunk
     ran, want_layout = load_config(runs.straight / "config.yaml").parallel, mini.layout
-    ran_layout = (ran.tensor_model_parallel_size, ran.pipeline_model_parallel_size, ran.expert_model_parallel_size)
-    assert ran_layout == (want_layout.tp, want_layout.pp, want_layout.ep)
+    ran_layout = (ran.tensor_model_parallel_size, ran.pipeline_model_parallel_size, ran.expert_model_parallel_size,
+                  ran.context_parallel_size)  # fmt: skip
+    assert ran_layout == (want_layout.tp, want_layout.pp, want_layout.ep, want_layout.cp)
     if want_layout.ep > 1:
         assert all(_finite(row, "router/aux_loss") for row in straight)
     # exact resume: from the step-1 save, step 2 as in the straight run, and the same state saved after it

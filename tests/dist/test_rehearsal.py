@@ -66,3 +66,38 @@ def test_per_rank_memory_and_bytes_stay_flat_as_ranks_double_and_a_gather_of_eve
     with patch("subprocess.run", side_effect=AssertionError("--report-only ran something")):
         assert main(["rehearse", "--report-only", "--out", str(out)]) == 0
     assert json.loads((out / "report.json").read_text())["growth_by_step"] == report["growth_by_step"]
+
+
+# The 7B recipe at CP 2 (the recipe's TP 2 x CP 2 x DP 2 on 8 GPUs), rehearsed on 2 processes: one DP rank split
+# over a CP pair, its share of 1 prompt x 16 answers of about 64 tokens, every micro-batch computed (about 20 s)
+CP_ARGS = [
+    "parallel.context_parallel_size=2", "logging.progress=false",
+    "--model-config", "examples/models/Qwen2.5-7B", "--world-size", "2", "--load", "0.004", "--mean-len", "64",
+    "--steps", "1", "--no-save", "--micro-batches", "0",
+]  # fmt: skip
+KV_LINE = "K/V all-gather (context parallel)"
+
+
+def test_a_rehearsal_at_context_parallel_2_counts_the_kv_gathers_within_the_planners_line(tmp_path):
+    from dapo_mcore.config import load_config
+    from dapo_mcore.plan import plan_memory
+
+    out = tmp_path / "rehearsal"
+    cmd = [sys.executable, "-m", "dapo_mcore.cli", "rehearse", "examples/dapo_qwen2.5_7b_h100.yaml", *CP_ARGS]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report, text = json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+    assert "the recipe's CP 2, rehearsed at CP 2" in text
+    ran = load_config(out / "N2" / "config.yaml")
+    assert ran.parallel.context_parallel_size == 2 and ran.parallel.tensor_model_parallel_size == 1
+    (world,) = report["worlds"]
+    assert world["counts"]["prompts_per_step"] == 1  # one DP rank's share: the pair splits it, not doubles it
+    old = world["phases"]["old_logprobs"]["values"]
+    # the old log-probs' forward: each rank sends its half of every layer's K and V and receives the whole
+    assert old["sent_mb"] > 0.1 and 1.6 < old["received_mb"] / old["sent_mb"] < 2.2, old
+    # within the planner's: its K/V line at the rehearsal's own config (K, V and their gradients of the longest
+    # sequence, one layer at a time) bounds what a layer of a micro-batch gathers in the forward (K and V: half
+    # the line), over the shrunk model's 2 layers and at most one micro-batch an answer (16)
+    plan = plan_memory(ran, json.loads((out / "model" / "config.json").read_text()), 80.0, 2)
+    (kv_line,) = [line for phase in plan.phases for line in phase.lines if line.name == KV_LINE]
+    assert old["received_mb"] * 2**20 <= 16 * 2 * kv_line.bytes / 2, (old, kv_line)

@@ -19,6 +19,7 @@ from dapo_mcore.utils.timers import PhaseTimer, observing, phase_scope
 from tests.conftest import REPO
 
 RECIPE_32B = REPO / "examples/dapo_qwen2.5_32b_h100.yaml"
+RECIPE_7B = REPO / "examples/dapo_qwen2.5_7b_h100.yaml"
 MOE_CONFIG = REPO / "examples/models/Qwen3-30B-A3B/config.json"
 
 
@@ -34,6 +35,18 @@ def test_a_per_rank_process_carries_one_recipe_ranks_share_at_every_world_size()
         assert counts.prompts_per_step * 16 // counts.mini_batch_size == 16  # the recipe's updates a step
     assert per_rank_counts(shape, 2, load=0.25).prompts_per_step == 2 * 32
     assert full_counts(shape, 2).prompts_per_step == 512 and full_counts(shape, 2).prompts_per_round == 1536
+
+
+def test_a_context_parallel_recipe_is_rehearsed_at_cp_2_with_one_dp_ranks_share_a_pair():
+    shape = RecipeShape.of(load_config(RECIPE_7B, ["parallel.context_parallel_size=4"]), gpus=16)
+    assert (shape.dp, shape.context_parallel) == (2, 4)  # TP 2 x CP 4 x DP 2
+    assert [shape.context_parallel_at(world) for world in (2, 3, 4, 8)] == [2, 1, 2, 2]
+    for world in (2, 4, 8):
+        # a DP rank of the job trains 512 / 2 prompts a step; the rehearsal's world / 2 DP ranks each as much
+        assert per_rank_counts(shape, world, load=1.0).prompts_per_step == world // 2 * 256
+    with pytest.raises(ConfigError, match=r"TP x PP x CP \(8\)"):
+        RecipeShape.of(load_config(RECIPE_7B, ["parallel.context_parallel_size=4"]), gpus=12)
+    assert RecipeShape.of(load_config(RECIPE_7B), gpus=8).context_parallel_at(2) == 1
 
 
 def test_a_world_that_the_layout_does_not_divide_is_refused():
