@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dapo_mcore.algo.losses import LossSettings
+from dapo_mcore.algo.losses import LossSettings, resolve_loss_agg
 from dapo_mcore.checkpoint.convert import LlamaFamilyMap
 from dapo_mcore.checkpoint.hf_io import check_weight_dtypes, load_hf_weights
 from dapo_mcore.checkpoint.model_checkpoint import load_model_weights
@@ -22,7 +22,7 @@ from dapo_mcore.checkpoint.run_checkpoint import CheckpointManager, layout_of, r
 from dapo_mcore.config import RunConfig, dump_config, validate
 from dapo_mcore.config.loader import changes_the_experiment, config_changes, config_to_dict, describe_change
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
-from dapo_mcore.config.validate import checkpoint_dir_of, eval_file_list, run_dir_of
+from dapo_mcore.config.validate import checkpoint_dir_of, config_warnings, eval_file_list, run_dir_of
 from dapo_mcore.data.batching import DataParallelSplit
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts, source_fingerprint
 from dapo_mcore.data.templates import PromptFormatter, apply_length_policy
@@ -121,6 +121,9 @@ class Resume:
 def build_run(cfg: RunConfig) -> Run:
     setup_logging(int(os.environ.get("RANK", "0")))
     validate(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in config_warnings(cfg):
+            log.warning(line)
     par = cfg.parallel
     tp, pp, vpp, ep, etp = par.model_layout()
     cp = par.context_parallel_size
@@ -336,7 +339,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         clip_low=algo.clip_low,
         clip_high=algo.clip_high,
         dual_clip_c=algo.dual_clip_c,
-        agg_mode=algo.loss_agg,
+        agg_mode=resolve_loss_agg(algo.policy_loss, algo.loss_agg),
         norm_len=algo.loss_norm_len or cfg.rollout.sampling.max_response_len,
         kl_beta=algo.kl.beta,
         kl_estimator=algo.kl.estimator,
@@ -688,6 +691,9 @@ def check_config_changes(cfg: RunConfig, resume: Resume) -> None:
     now = config_to_dict(cfg)
     for section in (saved, now):
         section.get("checkpoint", {}).pop("resume", None)
+        algo = section.get("algorithm", {})  # loss_agg=auto compared as what it resolves to (saves before auto)
+        if "loss_agg" in algo:
+            algo["loss_agg"] = resolve_loss_agg(algo.get("policy_loss", "dapo"), algo["loss_agg"])
     changes = config_changes(saved, now)
     experiment = [change for change in changes if changes_the_experiment(change)]
     if experiment and cfg.checkpoint.resume == "auto":

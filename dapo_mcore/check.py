@@ -39,7 +39,13 @@ from dapo_mcore.checkpoint.run_checkpoint import (
 )
 from dapo_mcore.config import RunConfig
 from dapo_mcore.config.model_spec import ModelSpec, load_hf_config, read_model_spec
-from dapo_mcore.config.validate import checkpoint_dir_of, config_problems, eval_file_list, run_dir_of
+from dapo_mcore.config.validate import (
+    checkpoint_dir_of,
+    config_problems,
+    config_warnings,
+    eval_file_list,
+    run_dir_of,
+)
 from dapo_mcore.data.datasets import PromptStream, build_prompt_source, load_jsonl_prompts
 from dapo_mcore.launch import path_problems, tokenizer_problem
 from dapo_mcore.mcore.provider import (
@@ -77,6 +83,7 @@ class CheckReport:
 
 def check_run(cfg: RunConfig, gpus: int | None, gpu_gb: float) -> CheckReport:
     report = CheckReport(problems=config_problems(cfg))
+    report.facts += [f"warning: {line}" for line in config_warnings(cfg)]  # the run logs the same lines
     device = job_device(cfg)
     if cfg.parallel.device == "auto" and device == "cpu":
         report.facts.append("parallel.device=auto is the CPU on this machine (no GPU): add parallel.device=cuda to "

@@ -10,10 +10,13 @@ Per token, with r = exp(logp - logp_old), the policy term of `policy_loss` (each
 then, with w = exp(logp_old - logp_rollout) (the train/inference mismatch, detached):
     pg  *= min(w_it, tis_cap)                                              truncated IS, tis="token"
     pg  *= min(prod_t w_it, tis_cap) of the token's sequence               sequence TIS, tis="sequence"
+    pg  *= min(exp(mean_t log w_it), tis_cap) of the token's sequence      tis="sequence_geometric"
+    pg  *= w_it if low <= w_it <= high else 0 (stays in the denominator)  IcePop, tis="icepop"
     loss = pg + kl_beta * KL(logp, logp_ref) - entropy_coeff * H
 Tokens of a sequence whose geometric-mean weight leaves [seq_mask_low, seq_mask_high] are masked
-(tis="sequence_mask"); tokens whose own weight leaves [token_mask_low, token_mask_high] are (tis="token_mask",
-IcePop's band mask). GSPO's value s_i is the same for every token of a sequence, and its gradient is
+(tis="sequence_mask"); tokens whose own weight leaves [token_mask_low, token_mask_high] are (tis="token_reject",
+verl's token rejection: out of the denominator too; tis="icepop" weights them 0 instead, Ring-1T's IcePop).
+GSPO's value s_i is the same for every token of a sequence, and its gradient is
 s_i / |y_i| x sum_t grad logp_it under seq-mean-token-mean: the paper's sequence-level GSPO, which verl's
 "gspo" aggregates so; with per-token advantages it is the paper's GSPO-token.
 
@@ -49,7 +52,9 @@ from dapo_mcore.config.schema import AlgorithmConfig, SamplingConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
-TIS_MODES = ("none", "token", "sequence", "sequence_mask", "token_mask")
+TIS_MODES = ("none", "token", "sequence", "sequence_geometric", "sequence_mask", "token_reject", "icepop")
+# The aggregation a policy loss takes when algorithm.loss_agg is "auto" (its paper's); the others: token-mean.
+POLICY_LOSS_AGG = {"sapo": "seq-mean-token-mean"}
 POLICY_LOSSES = ("dapo", "gspo", "cispo", "sapo")
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's cap of GSPO's log sequence ratio
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs drift apart
@@ -75,6 +80,11 @@ class SequenceShards:
 WHOLE = SequenceShards()  # each sequence whole on this rank (no context parallelism)
 
 
+def resolve_loss_agg(policy_loss: str, loss_agg: str) -> str:
+    """algorithm.loss_agg as the loss uses it: "auto" is the policy loss's own (`POLICY_LOSS_AGG`)."""
+    return POLICY_LOSS_AGG.get(policy_loss, "token-mean") if loss_agg == "auto" else loss_agg
+
+
 # The defaults are the config schema's (one set of defaults: tests/unit/test_settings_defaults.py).
 _ALGO = AlgorithmConfig()
 
@@ -84,7 +94,7 @@ class LossSettings:
     clip_low: float = _ALGO.clip_low
     clip_high: float = _ALGO.clip_high
     dual_clip_c: float | None = _ALGO.dual_clip_c
-    agg_mode: str = _ALGO.loss_agg
+    agg_mode: str = resolve_loss_agg(_ALGO.policy_loss, _ALGO.loss_agg)
     norm_len: int = _ALGO.loss_norm_len or SamplingConfig().max_response_len
     kl_beta: float = _ALGO.kl.beta
     kl_estimator: str = _ALGO.kl.estimator
@@ -211,8 +221,9 @@ def token_losses(
     seq_log_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """l_it of every token (any shape, all arguments alike): the one definition of the per-token loss (module
-    docstring), before masking and aggregation. `tis_weight`: the truncated importance weights (tis="token" or
-    "sequence"); `seq_log_ratio`: log s_i at each token of sequence i (gspo only, `_sequence_log_ratio`)."""
+    docstring), before masking and aggregation. `tis_weight`: the importance weights (tis="token", "sequence",
+    "sequence_geometric" or "icepop"); `seq_log_ratio`: log s_i at each token of sequence i (gspo only,
+    `_sequence_log_ratio`)."""
     pg = policy_term(logprobs, old_logprobs, advantages, s, seq_log_ratio)
     loss = pg if tis_weight is None else pg * tis_weight
     if s.kl_beta > 0.0:
@@ -301,18 +312,25 @@ def _mismatch_correction(mask, old_logprobs, rollout_logprobs, s: LossSettings, 
     """Train/inference mismatch, from the trainer's old policy over the rollout engine's: (truncated importance
     weights or None, the mask with sequences outside the band dropped)."""
     log_w = _mismatch_log_weights(old_logprobs, rollout_logprobs, s)
-    if s.tis in ("token", "sequence"):
+    if s.tis in ("token", "sequence", "sequence_geometric"):
         if s.tis == "sequence":  # each token takes its sequence's product of weights
             log_w = shards.sum((log_w * mask).sum(dim=-1)).unsqueeze(-1).expand_as(log_w)
+        elif s.tis == "sequence_geometric":  # each token takes its sequence's geometric-mean weight
+            sums_2B = shards.sum(torch.stack([(log_w * mask).sum(dim=-1), mask.detach().sum(dim=-1)]))
+            log_w = (sums_2B[0] / sums_2B[1].clamp(min=1)).unsqueeze(-1).expand_as(log_w)
         weight = _tis_weight(log_w, s)
         stats["tis_weight"] = (weight * mask).sum()
         stats["tis_truncated"] = ((log_w.exp() > s.tis_cap) * mask).sum()
         return weight, mask
-    if s.tis == "token_mask":  # IcePop: tokens whose weight leaves the band get no gradient
+    if s.tis in ("token_reject", "icepop"):  # the tokens whose weight leaves the band
         w = log_w.exp()
         inside_BT = ((w >= s.token_mask_low) & (w <= s.token_mask_high)).to(mask.dtype)
         stats["token_masked"] = (mask * (1.0 - inside_BT)).sum()
-        return None, mask * inside_BT
+        if s.tis == "token_reject":  # no gradient and out of the denominator (verl's token rejection)
+            return None, mask * inside_BT
+        weight = w * inside_BT  # IcePop: weighted by w inside the band, 0 outside, in the denominator
+        stats["tis_weight"] = (weight * mask).sum()
+        return weight, mask
     sums_2B = shards.sum(torch.stack([(log_w * mask).sum(dim=-1), mask.detach().sum(dim=-1)]))
     inside = _sequences_inside(sums_2B[0], sums_2B[1], s)
     has_tokens = sums_2B[1] > 0
@@ -348,7 +366,7 @@ class TokenLossTerms:
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     agg_weight: torch.Tensor  # d numerator / d l_it: aggregation coefficient x mask
-    tis_weight: torch.Tensor | None  # truncated importance weights (tis="token")
+    tis_weight: torch.Tensor | None  # importance weights (tis="token", "sequence", "sequence_geometric", "icepop")
     ref_logprobs: torch.Tensor | None
 
     def take(self, index) -> TokenLossTerms:
@@ -457,7 +475,8 @@ def stat_keys(s: LossSettings) -> tuple[str, ...]:
     keys = ["tokens", "ratio", "clip_high", "clip_low", "above_high_neg_adv", "below_low_pos_adv"]
     keys += ["dual_clip"] if s.dual_clip_c is not None and s.policy_loss == "dapo" else []
     keys += {"token": ["tis_weight", "tis_truncated"], "sequence": ["tis_weight", "tis_truncated"],
-             "sequence_mask": ["seq_masked"], "token_mask": ["token_masked"], "none": []}[s.tis]  # fmt: skip
+             "sequence_geometric": ["tis_weight", "tis_truncated"], "sequence_mask": ["seq_masked"],
+             "token_reject": ["token_masked"], "icepop": ["tis_weight", "token_masked"], "none": []}[s.tis]  # fmt: skip
     keys += ["kl"] if s.kl_beta > 0.0 else []
     keys += ["skipped_micro_batches"] if s.early_stop_ratio is not None else []
     return tuple(keys)

@@ -40,6 +40,12 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
+# values of a key that were renamed: what to write instead
+_RENAMED_VALUES = {
+    ("algorithm.mismatch.tis", "token_mask"): "token_mask was renamed token_reject (it drops out-of-band tokens from "
+    "the denominator, verl's token rejection); IcePop as published is tis=icepop",
+}
+
 # where the schema wants a boolean, YAML 1.1's spellings still mean one
 _YAML11_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
 
@@ -250,6 +256,8 @@ def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(ftype)
         if value not in choices:
+            if (dotted, value) in _RENAMED_VALUES:
+                raise ConfigError(f"'{dotted}': {_RENAMED_VALUES[dotted, value]}")
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}{hint}")

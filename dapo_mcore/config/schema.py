@@ -311,18 +311,23 @@ class MismatchConfig:
     # "token": truncated importance sampling, weights capped at tis_cap; "sequence_mask": drop the tokens of
     # sequences whose geometric-mean weight leaves [seq_mask_low, seq_mask_high]; "none": metrics only.
     # "sequence": truncated importance sampling of whole sequences, each token weighted by its sequence's product
-    # of weights, capped at tis_cap; "token_mask": IcePop's band mask, no gradient for the tokens whose weight
-    # leaves [token_mask_low, token_mask_high]. Each composes with every algorithm.policy_loss.
-    tis: Literal["none", "token", "sequence", "sequence_mask", "token_mask"] = "none"
-    # The cap of the importance weights (tis=token: each token's; tis=sequence: each sequence's product).
+    # of weights, capped at tis_cap; "sequence_geometric": the same with the sequence's geometric-mean weight
+    # (exp of the mean log weight over its tokens), which long responses do not drive to 0 or the cap;
+    # "token_reject": verl's token rejection, the tokens whose weight leaves [token_mask_low, token_mask_high]
+    # drop out (no gradient, out of the denominator); "icepop": IcePop as published (Ring-1T), each token
+    # weighted by its weight inside [token_mask_low, token_mask_high], by 0 outside, all in the denominator.
+    # Each composes with every algorithm.policy_loss. (The former "token_mask" is "token_reject".)
+    tis: Literal["none", "token", "sequence", "sequence_geometric", "sequence_mask", "token_reject", "icepop"] = "none"
+    # The cap of the importance weights (tis=token: each token's; tis=sequence: each sequence's product;
+    # tis=sequence_geometric: each sequence's geometric mean).
     tis_cap: float = 2.0
     # tis=sequence_mask: the lowest sequence (geometric-mean) weight kept.
     seq_mask_low: float = 0.5
     # tis=sequence_mask: the highest sequence (geometric-mean) weight kept.
     seq_mask_high: float = 2.0
-    # tis=token_mask: the lowest token weight kept (IcePop masks the tokens outside [alpha, beta]).
+    # tis=token_reject / icepop: the lowest token weight kept (IcePop's alpha, Ring-1T: 0.5).
     token_mask_low: float = 0.5
-    # tis=token_mask: the highest token weight kept.
+    # tis=token_reject / icepop: the highest token weight kept (IcePop's beta, Ring-1T: 5).
     token_mask_high: float = 5.0
     # Skip (zero loss, no tokens counted) a micro-batch whose mean ratio exceeds this (RLinf's
     # early_stop_imp_ratio); null: never.
@@ -376,9 +381,10 @@ class AlgorithmConfig:
     # Dual-clip bound c for negative advantages (the authors' script: 10); null disables it.
     dual_clip_c: float | None = 10.0
     # "token-mean" (the paper), "seq-mean-token-mean" (GRPO), "seq-mean-token-sum",
-    # "seq-mean-token-sum-norm" (Dr.GRPO); every mode is over the whole mini-batch.
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
-        "token-mean"
+    # "seq-mean-token-sum-norm" (Dr.GRPO); every mode is over the whole mini-batch. "auto": the policy loss's
+    # paper's, seq-mean-token-mean for sapo, token-mean for the others.
+    loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "auto"
     )
     # The constant divisor of seq-mean-token-sum-norm; 0: rollout.sampling.max_response_len.
     loss_norm_len: int = 0

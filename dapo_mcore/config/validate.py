@@ -31,6 +31,29 @@ def config_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+# tis=sequence past this many response tokens: the product of the weights goes to 0 or the cap
+LONG_SEQUENCE_TIS = 4096
+
+
+def config_warnings(cfg: RunConfig) -> list[str]:
+    """Settings that run but likely not as meant, one line each (logged at the start of a run, listed by
+    `dapo-mcore check`)."""
+    algo = cfg.algorithm
+    lines = []
+    if algo.policy_loss == "sapo" and algo.loss_agg not in ("auto", "seq-mean-token-mean"):
+        lines.append(
+            f"algorithm.policy_loss=sapo with algorithm.loss_agg={algo.loss_agg}: the SAPO paper (and verl) average "
+            "each sequence's tokens, then the sequences (seq-mean-token-mean, what loss_agg=auto gives sapo)"
+        )
+    max_len = cfg.rollout.sampling.max_response_len
+    if algo.mismatch.tis == "sequence" and max_len > LONG_SEQUENCE_TIS:
+        lines.append(
+            f"algorithm.mismatch.tis=sequence with rollout.sampling.max_response_len={max_len}: the product of "
+            f"{max_len} token weights is mostly 0 or the cap; tis=sequence_geometric weights by their geometric mean"
+        )
+    return lines
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

@@ -151,7 +151,7 @@ def test_smoke_recipe_runs_with_each_dapo_component_off(tmp_path, component):
 
 @pytest.mark.parametrize(
     ("policy_loss", "tis", "metric"),
-    [("gspo", "sequence", "mismatch/tis_weight_mean"), ("cispo", "token_mask", "mismatch/token_masked_frac"),
+    [("gspo", "sequence", "mismatch/tis_weight_mean"), ("cispo", "token_reject", "mismatch/token_masked_frac"),
      ("sapo", "token", "mismatch/tis_weight_mean")],
 )  # fmt: skip
 def test_each_policy_loss_trains_with_a_rollout_correction(tmp_path, policy_loss, tis, metric):

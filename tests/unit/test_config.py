@@ -164,7 +164,11 @@ def test_shipped_recipes_load_and_validate():
             "'algorithm.policy_loss' must be one of ['dapo', 'gspo', 'cispo', 'sapo'], "
             "got 'gpso'; did you mean 'gspo'?",
         ),
-        (["algorithm.mismatch.tis=icepop"], "got 'icepop'"),
+        (
+            ["algorithm.mismatch.tis=token_mask"],
+            "'algorithm.mismatch.tis': token_mask was renamed token_reject (it drops out-of-band tokens from the "
+            "denominator, verl's token rejection); IcePop as published is tis=icepop",
+        ),
         (["algorithm.sapo.tau_neg=0"], "algorithm.sapo: tau_pos / tau_neg must be > 0"),
         (
             ["algorithm.mismatch.token_mask_low=2", "algorithm.mismatch.token_mask_high=1"],
@@ -219,3 +223,45 @@ def test_the_resume_warning_on_changed_keys_is_rank_0s_alone(monkeypatch, rank, 
         assert warned[0] == "resuming from step_000002 with 1 config keys changed since the save: " + (
             "algorithm.clip_high: 0.28 -> 0.3"
         )
+
+
+def test_sapo_takes_its_papers_sequence_mean_unless_told_otherwise_and_says_so():
+    """SAPO (arXiv 2511.20347, verl) averages each sequence's tokens, then the sequences; loss_agg=auto gives
+    each policy loss its paper's aggregation, and an explicit other one is run with one warning line."""
+    from dapo_mcore.build import loss_settings
+    from dapo_mcore.config.validate import config_warnings
+
+    agg = {p: loss_settings(load_config(None, [f"algorithm.policy_loss={p}"])).agg_mode for p in ("dapo", "sapo")}
+    assert agg == {"dapo": "token-mean", "sapo": "seq-mean-token-mean"}
+    assert config_warnings(load_config(None, ["algorithm.policy_loss=sapo"])) == []
+    told = load_config(None, ["algorithm.policy_loss=sapo", "algorithm.loss_agg=token-mean"])
+    assert loss_settings(told).agg_mode == "token-mean"
+    (line,) = config_warnings(told)
+    assert "algorithm.loss_agg=token-mean" in line and "seq-mean-token-mean" in line
+
+
+@pytest.mark.parametrize(("tis", "max_len", "warned"), [("sequence", 8192, True), ("sequence", 4096, False),
+                                                        ("sequence_geometric", 8192, False)])  # fmt: skip
+def test_sequence_tis_over_long_responses_points_to_the_geometric_mean(tis, max_len, warned):
+    from dapo_mcore.config.validate import config_warnings
+
+    cfg = load_config(None, [f"algorithm.mismatch.tis={tis}", f"rollout.sampling.max_response_len={max_len}"])
+    lines = config_warnings(cfg)
+    assert bool(lines) == warned
+    assert all("tis=sequence_geometric" in line for line in lines)
+
+
+def test_check_says_the_loss_warnings_train_logs(tmp_path, capsys):
+    """`dapo-mcore check` lists what train warns about at start: SAPO at another aggregation than its paper's,
+    and sequence TIS over long answers (its product of weights is mostly 0 or the cap)."""
+    from dapo_mcore.cli import main
+
+    args = ["check", "examples/smoke_cpu.yaml", f"logging.run_dir={tmp_path / 'run'}", "algorithm.policy_loss=sapo",
+            "algorithm.loss_agg=token-mean", "algorithm.mismatch.tis=sequence",
+            "rollout.sampling.max_response_len=8192"]  # fmt: skip
+    main(args)
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "warning: algorithm.policy_loss=sapo with algorithm.loss_agg=token-mean" in text
+    assert "warning: algorithm.mismatch.tis=sequence with rollout.sampling.max_response_len=8192" in text
+    assert "tis=sequence_geometric" in text

@@ -1,11 +1,17 @@
-"""algorithm.policy_loss (gspo, cispo, sapo) and algorithm.mismatch.tis (sequence, token_mask) against references
+"""algorithm.policy_loss (gspo, cispo, sapo) and algorithm.mismatch.tis (sequence, sequence_geometric, token_reject,
+icepop) against references
 written from the papers' equations, token by token in Python floats (float64): the numerator, the denominator and
 the numerator's gradient of `dapo_loss` on random cases, for every aggregation and rollout correction.
 
 GSPO (arXiv 2507.18071): s_i = exp(1/|y_i| sum_t log(pi/pi_old)), its token form's gradient is s_i A grad logp_it
 per token, unless the clip is active. CISPO (arXiv 2506.13585 eq. 4-5): -sg(clip(r)) A logp. SAPO (arXiv
 2511.20347): -(4/tau) sigmoid(tau (r - 1)) A, tau = tau_pos where A > 0 else tau_neg, whose derivative in logp is
--4 sigma (1 - sigma) r A."""
+-4 sigma (1 - sigma) r A.
+
+IcePop (Ring-1T, arXiv 2510.18855): each token's term times M(k) = k if alpha <= k <= beta else 0, with
+k = pi_train / pi_infer, the denominator unchanged. Token rejection (verl's rollout_rs=token_k1): tokens whose
+k leaves [alpha, beta] leave the loss and its denominator. Geometric-mean sequence TIS: every token of sequence i
+weighted by min(exp(1/|y_i| sum_t log k_it), cap)."""
 
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from dapo_mcore.algo.losses import LOSS_AGG_MODES, LossSettings, dapo_loss, dapo
 
 NORM_LEN = 7
 MODES = ["gspo", "cispo", "sapo", "dapo"]
-CORRECTIONS = ["none", "token", "sequence", "sequence_mask", "token_mask"]
+CORRECTIONS = ["none", "token", "sequence", "sequence_geometric", "sequence_mask", "token_reject", "icepop"]
 
 
 def random_case(seed: int, b: int = 4, t: int = 6) -> dict:
@@ -84,8 +90,15 @@ def reference(case: dict, s: LossSettings) -> tuple[float, float, list[list[floa
                 weight[i][j] = min(math.exp(log_w[i][j]), s.tis_cap)
             elif s.tis == "sequence":  # the product of the sequence's weights, capped
                 weight[i][j] = min(math.exp(seq_log_w), s.tis_cap)
-            elif s.tis == "token_mask" and not s.token_mask_low <= math.exp(log_w[i][j]) <= s.token_mask_high:
-                mask[i][j] = 0.0
+            elif s.tis == "sequence_geometric":  # the geometric mean of the sequence's weights, capped
+                weight[i][j] = min(math.exp(seq_log_w / max(tokens, 1)), s.tis_cap)
+            elif s.tis in ("token_reject", "icepop"):
+                k = math.exp(log_w[i][j])
+                in_band = s.token_mask_low <= k <= s.token_mask_high
+                if s.tis == "token_reject" and not in_band:  # out of the loss and of its denominator
+                    mask[i][j] = 0.0
+                if s.tis == "icepop":  # M(k): k inside the band, 0 outside; the denominator keeps the token
+                    weight[i][j] = k if in_band else 0.0
         geo_mean = math.exp(seq_log_w / max(tokens, 1))
         if s.tis == "sequence_mask" and not s.seq_mask_low <= geo_mean <= s.seq_mask_high:
             mask[i] = [0.0] * t
@@ -148,6 +161,9 @@ def test_the_cases_meet_every_branch():
             log_ws = [o - r for o, r, m in zip(c["old"][i], c["rollout"][i], row) if m]
             masked_seqs += bool(log_ws) and not 0.8 <= math.exp(sum(log_ws) / len(log_ws)) <= 1.25
     assert masked_seqs > 0
+    geo = [math.exp(sum(o - r for o, r, m in zip(c["old"][i], c["rollout"][i], row) if m) / max(sum(row), 1))
+           for c in cases for i, row in enumerate(c["mask"])]  # fmt: skip
+    assert max(geo) > 1.5  # sequence_geometric's cap reached on some sequence
     s = settings("gspo", "token-mean", "none")
     clipped = [reference(c, s)[2][0] for c in cases]
     assert any(all(g == 0.0 for g in row) for row in clipped)  # GSPO's sequence clip active on some sequence
