@@ -24,9 +24,10 @@ from dapo_mcore.data.batching import thd_cp_columns as thd_columns
 from dapo_mcore.mcore.cp_attention import CPAllGatherAttention
 from dapo_mcore.mcore.provider import _layer_specs, _local_block, build_transformer_config, padded_vocab_size
 from dapo_mcore.parallel import destroy_parallel, init_parallel
+from tests.unit.test_cp_attention import GROUPS, HEAD_DIM, HEADS, attention_config
 
 CP = 2
-HEADS, GROUPS, HEAD_DIM = 4, 2, 16
+
 ATOL, LOGITS_ATOL = 1e-6, 1e-5
 
 
@@ -39,21 +40,9 @@ def with_cp(pg, cp_group):
 
 
 def twin(pg, cp: int) -> CPAllGatherAttention:
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HEADS * HEAD_DIM,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        kv_channels=HEAD_DIM,
-        context_parallel_size=cp,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        masked_softmax_fusion=False,
-        use_cpu_initialization=True,
-    )
+    config = attention_config(cp)  # the unit tests' (tests/unit/test_cp_attention.py): the same shape
     return CPAllGatherAttention(
         config=config,
         layer_number=1,
