@@ -211,7 +211,7 @@ def track_broadcast_shared_memory(instance_id: str) -> None:
         if (_SHM_DIR / name).exists():
             log.warning("vLLM: removing /dev/shm/%s, left by an earlier attempt of this run", name)
             (_SHM_DIR / name).unlink(missing_ok=True)
-    _psm_ledger.write_text("")
+    _psm_ledger.unlink(missing_ok=True)  # made again by the first segment listed: none is left for a TP-1 engine
     try:
         from vllm.distributed.device_communicators.shm_broadcast import ShmRingBuffer
     except ImportError:  # a vLLM without it makes no such segment

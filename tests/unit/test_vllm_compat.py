@@ -84,3 +84,18 @@ def test_a_run_has_one_instance_id_in_every_attempt_and_another_run_another(tmp_
     first = vllm_compat.process_group_instance_id()
     monkeypatch.setenv("MASTER_PORT", "29501")  # another live job on the host: another rendezvous
     assert vllm_compat.process_group_instance_id() != first
+
+
+def test_a_killed_attempts_broadcast_segments_go_at_the_next_start_and_no_ledger_stays(tmp_path, monkeypatch):
+    """The ledger of /dev/shm/psm_* segments exists only while a segment is listed: an engine that made none (engine
+    TP 1) leaves no file behind, and the next start of the same run removes what a killed attempt listed."""
+    from dapo_mcore.rollout import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "_SHM_DIR", tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    left = tmp_path / "psm_0badc0de"
+    left.write_bytes(b"x")
+    ledger = vllm_compat.psm_ledger("dapo-run", 1)
+    ledger.write_text(f"{left.name}\n")
+    vllm_compat.track_broadcast_shared_memory("dapo-run")
+    assert not left.exists() and not ledger.exists() and list(tmp_path.iterdir()) == []
