@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         install_stop_handlers,
         leave_with_exit_code,
     )
-    from dapo_mcore.utils.processes import Terminated, die_with_launcher, end_children
+    from dapo_mcore.utils.processes import Terminated, die_with_launcher
 
     as_command = argv is None  # not called from Python (tests): this process is the run, its children ours
     args = _parse(_parser(), argv)
@@ -60,19 +60,41 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Terminated) as stop:
         if (gone := _gone_peer()) is not None:  # the launcher ended this rank because another one died
             return gone
-        name, code = ("SIGINT", 130) if isinstance(stop, KeyboardInterrupt) else (stop.signal_name, 143)
-        if as_command:
-            # what the unwinding did not stop (e.g. the checkpoint writer's helpers); not on a normal end,
-            # where wandb's own exit handler still needs its service process
-            end_children()
-        if rank == "0":
-            print(f"dapo-mcore: stopped by {name}; the saves already complete are kept (a run continues from the "
-                  "newest with checkpoint.resume=auto)", file=sys.stderr)  # fmt: skip
-        return code
-    except Exception:
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else stop.signal_name
+        return _stopped_by(name, rank, as_command)
+    except Exception as err:
         if (gone := _gone_peer()) is not None:  # a collective failed because another rank died: that is the news
             return gone
+        if (name := _stopping_signal(err)) is not None:  # a peer left on the same signal while this rank waited
+            return _stopped_by(name, rank, as_command)
         raise
+
+
+def _stopped_by(name: str, rank: str, as_command: bool) -> int:
+    from dapo_mcore.utils.processes import end_children
+
+    if as_command:
+        # what the unwinding did not stop (e.g. the checkpoint writer's helpers); not on a normal end, where
+        # wandb's own exit handler still needs its service process
+        end_children()
+    if rank == "0":
+        print(f"dapo-mcore: stopped by {name}; the saves already complete are kept (a run continues from the "
+              "newest with checkpoint.resume=auto)", file=sys.stderr)  # fmt: skip
+    return 130 if name == "SIGINT" else 143
+
+
+def _stopping_signal(err: Exception) -> str | None:
+    """The signal this rank was stopping on when a collective broke because a peer had left (gloo: "Connection
+    closed by peer"), else None. A signal reaches the ranks one by one (torchrun's death is each rank's SIGTERM):
+    a peer that stops at once leaves this rank inside a C++ collective, which fails before its own signal's
+    handler can run, and the traceback hid the stop."""
+    from dapo_mcore.launch import requested_stop, stops_at_once
+
+    peer_left = any(words in str(err) for words in ("Connection closed by peer", "Connection reset by peer"))
+    reason = requested_stop()
+    if not peer_left or reason is None:
+        return None
+    return stops_at_once(reason) or (reason if reason in ("SIGTERM", "SIGINT") else None)
 
 
 def _gone_peer() -> int | None:

@@ -226,3 +226,26 @@ def test_check_names_a_live_run_holding_the_run_directory(tmp_path):
     finally:
         lock.release()
     assert RunLock(run_dir).live_holder_problem() is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "message", "stopped"),
+    [
+        (
+            "SIGTERM at once",
+            "[pair.cc:553] Connection closed by peer [127.0.0.1]:48873. This is typically ...",
+            "SIGTERM",
+        ),
+        ("SIGTERM", "Connection reset by peer", "SIGTERM"),
+        ("SIGINT at once", "Connection closed by peer", "SIGINT"),
+        (None, "Connection closed by peer", None),  # no stop under way: a peer that died is other news
+        ("SIGTERM at once", "a bug", None),
+    ],
+)
+def test_a_collective_a_stopping_peer_broke_is_this_ranks_stop_not_a_traceback(monkeypatch, reason, message, stopped):
+    """torchrun's death is each rank's SIGTERM: a peer that stops at once leaves this rank inside a gloo collective,
+    which fails before its own handler runs (a 45-line traceback around the stop, seen in a suite run)."""
+    from dapo_mcore import cli, launch
+
+    monkeypatch.setattr(launch, "requested_stop", lambda: reason)
+    assert cli._stopping_signal(RuntimeError(message)) == stopped

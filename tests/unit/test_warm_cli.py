@@ -32,7 +32,13 @@ def test_on_a_gpu_machine_a_started_run_can_be_signalled_and_waited_for(tmp_path
     monkeypatch.setattr(warm_cli, "forking_is_unsafe", lambda: True)
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    proc = warm_cli.start_warm([], {"PATH": "/usr/bin:/bin"}, 60, script=script, cwd=tmp_path)
+    # an ignored SIGTERM is inherited across exec: a pytest worker left with it ignored by an earlier test made this
+    # run outlive the signal (seen once in a suite run); a real launcher's is the default
+    saved = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        proc = warm_cli.start_warm([], {"PATH": "/usr/bin:/bin"}, 60, script=script, cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, saved)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGTERM
