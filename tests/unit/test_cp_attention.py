@@ -11,6 +11,7 @@ from dapo_mcore.data.batching import row_cp_columns as row_columns
 from dapo_mcore.data.batching import thd_cp_columns as thd_columns
 from dapo_mcore.mcore.cp_attention import CPAllGatherAttention
 from dapo_mcore.parallel import destroy_parallel, init_parallel
+from tests.unit.test_plan import FakeGroup
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 16  # grouped-query attention: 2 query heads per key/value group
 ATOL = 1e-6
@@ -148,17 +149,6 @@ def test_columns_refuse_lengths_that_do_not_split_into_2c_chunks():
         thd_columns(torch.tensor([0, 4, 10]), 2, 0)
 
 
-class _Group:
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cpu_rope_slice_keeps_the_positions_of_the_ranks_columns(cp):
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
@@ -170,7 +160,7 @@ def test_cpu_rope_slice_keeps_the_positions_of_the_ranks_columns(cp):
     length = 8 * cp
     emb = torch.arange(length, dtype=torch.float32)[:, None, None, None].expand(length, 1, 1, 4)  # [S, 1, 1, dim]
     for r in range(cp):
-        sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _Group(cp, r))
+        sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, FakeGroup(cp, r))
         assert sliced[:, 0, 0, 0].long().tolist() == row_columns(length, cp, r).tolist()
 
 

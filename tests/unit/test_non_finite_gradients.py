@@ -7,34 +7,18 @@ import math
 import pytest
 import torch
 
-from dapo_mcore.build import actor_settings, load_policy_chunks, optimizer_settings
-from dapo_mcore.config import load_config
-from dapo_mcore.config.model_spec import load_hf_config, read_model_spec
-from dapo_mcore.mcore.actor import build_actor
 from dapo_mcore.mcore.sharding import unwrap
-from dapo_mcore.parallel import destroy_parallel, init_parallel
 from dapo_mcore.utils.errors import NonFiniteGradients
-from tests.helpers import random_samples, save_tiny_model
+from tests.helpers import random_samples
+from tests.unit.test_offload import actor  # noqa: F401 (its module fixture: the same tiny actor, built once)
 
 
-@pytest.fixture(scope="module")
-def actor(tmp_path_factory):
-    model = save_tiny_model(tmp_path_factory.mktemp("model"), "llama")
-    destroy_parallel()
-    ctx = init_parallel(1, 1, "cpu")
-    cfg = load_config(None, [f"model.hf_path={model}", "parallel.device=cpu", "model.dtype=float32"])
-    spec = read_model_spec(load_hf_config(str(model)))
-    chunks, _ = load_policy_chunks(cfg, ctx, spec)
-    yield build_actor(ctx, spec, chunks, optimizer_settings(cfg), actor_settings(cfg, pad_id=0))
-    destroy_parallel()
-
-
-def weights(actor) -> list[torch.Tensor]:
-    return [p.detach().clone() for chunk in actor.chunks for p in chunk.parameters()]
+def weights(policy) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in policy.chunks for p in chunk.parameters()]
 
 
 @pytest.mark.parametrize("planted", [math.nan, math.inf])
-def test_a_planted_non_finite_gradient_stops_the_step_before_its_update_naming_the_parameter(actor, planted):
+def test_a_planted_non_finite_gradient_stops_the_step_before_its_update_naming_the_parameter(actor, planted):  # noqa: F811
     named = dict(unwrap(actor.chunks[0]).named_parameters())
     name = next(n for n in named if "layers.1." in n and n.endswith("linear_fc2.weight"))
     hook = named[name].register_hook(lambda grad: grad * planted)
