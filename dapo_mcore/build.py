@@ -59,11 +59,12 @@ from dapo_mcore.parallel import (
 from dapo_mcore.parallel.gloo_net import gloo_route
 from dapo_mcore.plan import checkpoint_bytes
 from dapo_mcore.rewards.answers import also_rule, answer_extractor
-from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rewards.by_source import VerifierChoice, VerifiersBySource
+from dapo_mcore.rewards.contract import ScoreRule
 from dapo_mcore.rollout.base import EngineSettings, RolloutEngine, routing_unavailable, run_instance_id
 from dapo_mcore.rollout.placement import engine_placement
 from dapo_mcore.rollout.registry import create_engine
-from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, correctness_spread
+from dapo_mcore.rollout.sampler import RolloutSampler, SamplerSettings, reward_spread
 from dapo_mcore.rollout.synthetic_engine import SyntheticSettings
 from dapo_mcore.rollout.validation import EvalSettings, Validator
 from dapo_mcore.utils.errors import CheckpointError, ConfigError, DataError, RunFilesError, RunLockError, os_reason
@@ -87,7 +88,7 @@ class Run:
     engine: RolloutEngine
     exporter: WeightExporter
     sampler: RolloutSampler
-    verifiers: VerifierPool
+    verifiers: VerifiersBySource
     writer: MetricsWriter | None  # rank 0 only
     progress: RunProgress
     spec: ModelSpec
@@ -224,8 +225,8 @@ def build_pieces(cfg: RunConfig, ctx: ParallelContext, spec: ModelSpec, lock: Ru
         actor, reference, family = build_policies(cfg, ctx, spec, settings)
         exporter = WeightExporter(ctx, actor.chunks, family, bucket_bytes=cfg.rollout.weight_bucket_mb << 20)
         reward = cfg.algorithm.reward
-        verifiers = VerifierPool(
-            reward.verifier,
+        choice = VerifierChoice(reward.verifier, reward.verifiers, ScoreRule(reward.graded, reward.correct_threshold))
+        verifiers = choice.start(
             workers=reward.workers,
             timeout_s=reward.timeout_s,
             batch_timeout_s=reward.batch_timeout_s,
@@ -545,13 +546,13 @@ def build_sampler(
     ctx: ParallelContext,
     engine: RolloutEngine,
     prompts: PromptSetup,
-    verifiers: VerifierPool,
+    verifiers: VerifiersBySource,
     dp_split: DataParallelSplit,
 ) -> RolloutSampler:
     """The sampler; it sends each chosen sample's tokens only to the ranks of the DP rank that trains it
     (dp_split: the actor's own deal, over the trainer's mini-batches), over the host (the gloo wait group)."""
     filter_spec = cfg.algorithm.dynamic_sampling.filter
-    keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else correctness_spread
+    keep_filter = import_callable(filter_spec, "dynamic-sampling filter") if filter_spec else reward_spread
     if cfg.rollout.partial_rollout and cfg.algorithm.mismatch.tis == "none" and ctx.rank == 0:
         log.warning(
             "rollout.partial_rollout without algorithm.mismatch.tis: the tokens of older weights train "
@@ -578,7 +579,7 @@ def build_sampler(
 
 
 def build_validator(
-    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, prompts: PromptSetup, verifiers: VerifierPool
+    cfg: RunConfig, ctx: ParallelContext, engine: RolloutEngine, prompts: PromptSetup, verifiers: VerifiersBySource
 ) -> Validator | None:
     if not prompts.eval_sets:
         return None

@@ -156,8 +156,11 @@ def check_model(report: CheckReport, cfg: RunConfig, spec: ModelSpec, world: int
 def user_function_problems(cfg: RunConfig) -> list[str]:
     """The verifier and the dynamic-sampling filter the config names, imported as train imports them."""
     problems = []
+    by_source = [(f"algorithm.reward.verifiers.{source}", spec, resolve_verifier)
+                 for source, spec in cfg.algorithm.reward.verifiers.items()]  # fmt: skip
     for key, spec, load in (
         ("algorithm.reward.verifier", cfg.algorithm.reward.verifier, resolve_verifier),
+        *by_source,
         ("algorithm.dynamic_sampling.filter", cfg.algorithm.dynamic_sampling.filter,
          lambda spec: import_callable(spec, "dynamic-sampling filter")),
     ):  # fmt: skip

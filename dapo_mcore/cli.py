@@ -221,6 +221,15 @@ def _add_eval_parser(sub) -> None:
         "--verifier", default="dapo", help="dapo, math_verify, gsm8k or module:function (default %(default)s)"
     )
     cmd.add_argument(
+        "--source-verifier", action="append", default=[], metavar="SOURCE=VERIFIER",
+        help="rows whose data_source is SOURCE are checked by VERIFIER (repeatable; the others by --verifier), and "
+             "each source of a file gets its own FILE[SOURCE] row (default: none)",
+    )  # fmt: skip
+    cmd.add_argument(
+        "--correct-threshold", type=float, default=0.5,
+        help="a verifier's number (or a dict's score) from this on counts as correct (default %(default)s)",
+    )  # fmt: skip
+    cmd.add_argument(
         "--also-verifier", action="append", default=[], choices=["dapo", "gsm8k"], metavar="RULE",
         help="check the same answers by this rule too (dapo or gsm8k; repeatable): e.g. gsm8k's last number beside "
              "dapo's strict 'Answer:' form, as FILE:RULE rows (default: none)",
@@ -426,8 +435,18 @@ def _plan(args: argparse.Namespace) -> int:
     return plan_command(args.config, args.overrides, args.gpu_gb, args.model_config, args.gpus, assumed)
 
 
+def _source_verifiers(pairs: list[str]) -> dict[str, str]:
+    from dapo_mcore.utils.errors import ConfigError
+
+    if any("=" not in pair for pair in pairs):
+        raise ConfigError(f"eval: --source-verifier takes SOURCE=VERIFIER, got {pairs}")
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from dapo_mcore.evaluate import run_eval
+    from dapo_mcore.rewards.by_source import VerifierChoice
+    from dapo_mcore.rewards.contract import ScoreRule
     from dapo_mcore.rollout.validation import EvalSettings
     from dapo_mcore.utils.errors import ConfigError
 
@@ -436,8 +455,10 @@ def _eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(
         k=args.k, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
+    verifiers = VerifierChoice(args.verifier, _source_verifiers(args.source_verifier),
+                               ScoreRule(graded=True, correct_threshold=args.correct_threshold))  # fmt: skip
     run_eval(
-        args.model, args.data, args.engine, args.verifier, settings,
+        args.model, args.data, args.engine, verifiers, settings,
         template=args.template, instruction=args.instruction, device=args.device, dtype=args.dtype, out=args.out,
         save_answers=args.save_answers, verify=not args.no_verify, also=tuple(args.also_verifier),
     )  # fmt: skip

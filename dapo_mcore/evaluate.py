@@ -27,7 +27,8 @@ from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.data.datasets import load_jsonl_prompts
 from dapo_mcore.data.templates import PromptFormatter
 from dapo_mcore.rewards.answers import also_rule, answer_extractor
-from dapo_mcore.rewards.pool import VerifierPool
+from dapo_mcore.rewards.by_source import VerifierChoice
+from dapo_mcore.rewards.contract import ScoreRule
 from dapo_mcore.rollout.base import EngineSettings
 from dapo_mcore.rollout.registry import create_engine
 from dapo_mcore.rollout.validation import (
@@ -36,6 +37,7 @@ from dapo_mcore.rollout.validation import (
     EvalSettings,
     Rule,
     answer_and_check,
+    by_source,
     check_also,
 )
 from dapo_mcore.utils.errors import ConfigError
@@ -46,7 +48,7 @@ def run_eval(
     model: str,
     files: list[str],
     engine_name: str,
-    verifier: str,
+    verifier: str | VerifierChoice,
     settings: EvalSettings,
     template: str = "none",
     instruction: str = "none",
@@ -57,6 +59,9 @@ def run_eval(
     verify: bool = True,
     also: tuple[str, ...] = (),
 ) -> dict[str, Any]:
+    """verifier: a spec, or a VerifierChoice (verifiers by data source, the correct threshold)."""
+    if isinstance(verifier, str):  # eval reads any finite score (correct from the threshold): it trains nothing
+        verifier = VerifierChoice(verifier, rule=ScoreRule(graded=True))
     # an HF directory is used as it is; anything else must be a checkpoint (named if it is not, before any work)
     ckpt = None if (Path(model) / "config.json").is_file() else _checkpoint_of(Path(model))
     prompt_sets = {name: load_jsonl_prompts(name) for name in files}  # every file checked before any work
@@ -122,7 +127,7 @@ def _evaluate(
     prompt_sets: dict[str, list[Any]],
     engine_name: str,
     engine_settings: EngineSettings,
-    verifier: str,
+    verifier: VerifierChoice,
     settings: EvalSettings,
     template_and_instruction: tuple[str, str],
     answer_file: AnswerFile | None = None,
@@ -135,9 +140,9 @@ def _evaluate(
     template, instruction = template_and_instruction
     encode = PromptFormatter(AutoTokenizer.from_pretrained(engine_settings.model_path), template, instruction)
     engine = create_engine(engine_name, engine_settings)
-    pool = VerifierPool(verifier, workers=1)
+    pool = verifier.start(workers=1)
     rules = {rule: also_rule(rule) for rule in also}
-    results: dict[str, Any] = {"engine": engine_name, "verifier": verifier, "files": {}}
+    results: dict[str, Any] = {"engine": engine_name, "verifier": pool.spec, "files": {}}
     results["settings"] = settings.__dict__ | {"template": template, "instruction": instruction}
     try:
         with _progress(sum(len(p) for p in prompt_sets.values())) as (progress, task):
@@ -147,12 +152,14 @@ def _evaluate(
                 also_checked: dict[str, Checked] = {rule: ([], []) for rule in rules}
                 on_answered = partial(_on_answered, write, rules, also_checked)
                 correct, answers = answer_and_check(
-                    engine, encode, prompts, pool.verify, answer_extractor(verifier), settings,
+                    engine, encode, prompts, pool.verify, answer_extractor(verifier.default), settings,
                     on_progress=lambda n: progress.advance(task, n), on_answered=on_answered,
                 )  # fmt: skip
-                results["files"][name] = eval_metrics(correct, answers, settings.k)
+                for part, checked in by_source(name, prompts, (correct, answers)).items():
+                    results["files"][part] = eval_metrics(*checked, settings.k)
                 for rule, checked in also_checked.items():
-                    results["files"][f"{name}:{rule}"] = eval_metrics(*checked, settings.k)
+                    for part, by_rule in by_source(f"{name}:{rule}", prompts, checked).items():
+                        results["files"][part] = eval_metrics(*by_rule, settings.k)
     finally:
         pool.close()
         engine.shutdown()

@@ -89,7 +89,7 @@ def kill_checkpoint_writer_manager(group) -> bool:
     import signal
 
     from dapo_mcore.checkpoint import writer_processes
-    from dapo_mcore.rollout.sampler import correctness_spread
+    from dapo_mcore.rollout.sampler import reward_spread
 
     run_dir, step = _run_dir_and_step()
     marker = run_dir / f"killed-{step}"
@@ -98,18 +98,18 @@ def kill_checkpoint_writer_manager(group) -> bool:
         marker.write_text(str(process.pid))
         os.kill(process.pid, signal.SIGKILL)
         process.join()
-    return correctness_spread(group)
+    return reward_spread(group)
 
 
 def spread_pausing_in_the_first_attempt(group) -> bool:
-    """The demo's own filter (correctness_spread) that pauses DAPO_TEST_STEP_PAUSE seconds (default 0) at the first
+    """The demo's own filter (reward_spread) that pauses DAPO_TEST_STEP_PAUSE seconds (default 0) at the first
     group of each step (told by the rows in metrics.jsonl) in a Slurm job's first attempt (SLURM_RESTART_COUNT
     unset or 0): slower steps that compute exactly the same thing, so that the attempt outlasts its time limit with
     few steps while the re-queued attempt runs at full speed. Runs in the trainer processes; finds its run
     directory in the command's arguments."""
     import os
 
-    from dapo_mcore.rollout.sampler import correctness_spread
+    from dapo_mcore.rollout.sampler import reward_spread
 
     pause = float(os.environ.get("DAPO_TEST_STEP_PAUSE", "0"))
     if pause > 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
@@ -117,7 +117,7 @@ def spread_pausing_in_the_first_attempt(group) -> bool:
         if step not in _PAUSED_STEPS:
             _PAUSED_STEPS.add(step)
             time.sleep(pause)
-    return correctness_spread(group)
+    return reward_spread(group)
 
 
 _PAUSED_STEPS: set[int] = set()
@@ -150,11 +150,11 @@ def kill_rank_1_in_step_2(group) -> bool:
     import os
     import signal
 
-    from dapo_mcore.rollout.sampler import correctness_spread
+    from dapo_mcore.rollout.sampler import reward_spread
 
     if os.environ.get("RANK") == "1" and _run_dir_and_step()[1] >= 1:  # one row in metrics.jsonl: step 2
         os.kill(os.getpid(), signal.SIGKILL)
-    return correctness_spread(group)
+    return reward_spread(group)
 
 
 def slow_check(response: str, reference: str) -> bool:

@@ -1,4 +1,5 @@
-"""Dynamic sampling (paper eq. 11): train only on groups whose accuracy is strictly between 0 and 1.
+"""Dynamic sampling (paper eq. 11): train only on groups whose accuracy is strictly between 0 and 1 (with graded
+rewards, whose rewards are not all equal).
 
 A group where every response is right (or every one wrong) has zero advantage everywhere and only shrinks
 the effective batch; such groups are dropped and generation continues until the batch is full. Instead of a
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 
-def keep_group_mask(correct_GN: torch.Tensor) -> torch.Tensor:
-    """[G] bool: True where 0 < accuracy < 1 over the N responses of the group (reward std > 0)."""
-    n_correct_G = correct_GN.to(torch.int64).sum(dim=1)
-    return (n_correct_G > 0) & (n_correct_G < correct_GN.shape[1])
+def keep_group_mask(rewards_GN: torch.Tensor) -> torch.Tensor:
+    """[G] bool: True where the N verifier rewards of the group are not all equal (reward std > 0). For verdicts
+    (bool, or reward.correct / reward.wrong) that is 0 < accuracy < 1, eq. 11; for graded rewards, any spread."""
+    values_GN = rewards_GN.to(torch.float64)
+    return values_GN.amax(dim=1) > values_GN.amin(dim=1)
 
 
 @dataclass

@@ -262,6 +262,16 @@ def _coerce(value: Any, ftype: Any, dotted: str) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"'{dotted}' must be one of {list(choices)}, got {value!r}{hint}")
         return value
+    if origin is dict:  # a YAML mapping; on the command line key.name=value (nested) or "a=x,b=y"
+        if isinstance(value, str):
+            pairs = [part.split("=", 1) for part in value.split(",") if part.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ConfigError(f"'{dotted}' must be a mapping, e.g. {{a: x}} or a=x,b=y, got {value!r}")
+            value = {k.strip(): v.strip() for k, v in pairs}
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{dotted}' must be a mapping, e.g. {{a: x}}, got {value!r}")
+        key_type, value_type = typing.get_args(ftype)
+        return {_coerce(k, key_type, dotted): _coerce(v, value_type, f"{dotted}.{k}") for k, v in value.items()}
     if origin is list:  # a YAML list ([a, b]); a plain string is one item, or several comma-separated
         items = [part.strip() for part in value.split(",")] if isinstance(value, str) else value
         if not isinstance(items, list):

@@ -230,12 +230,20 @@ class AdvantageConfig:
 class RewardConfig:
     # "dapo" (final answer after "Answer:"), "math_verify" (symbolic, LaTeX/boxed), "gsm8k" (the final number),
     # "synthetic" (the verdicts rollout.engine=synthetic drew),
-    # or "module:function".
+    # or "module:function": fn(response, reference), fn(response, reference, row), or verl's
+    # compute_score(data_source, solution_str, ground_truth, extra_info) (docs/data.md, rewards/contract.py).
     verifier: str = "dapo"
+    # Verifiers by the rows' data_source field: {source: verifier}; rows of other sources take `verifier`.
+    verifiers: dict[str, str] = field(default_factory=dict)
     # Reward for a correct / wrong final answer (paper: +1 / -1; use 1 / 0 for a 0-1 reward).
     correct: float = 1.0
     # Reward for a wrong (or unparsable, or timed-out) answer.
     wrong: float = -1.0
+    # true: a verifier's number (or a dict's "score") is the reward itself, before the length shaping (partial
+    # credit, a format bonus); a bool still gives `correct` / `wrong`. false: a number in [0, 1] is a verdict.
+    graded: bool = False
+    # A number from this on counts as correct (accuracy, dynamic sampling's all-correct count, eval's avg@k).
+    correct_threshold: float = 0.5
     # Each check runs in a worker process and counts as wrong past this many seconds.
     timeout_s: float = 10.0
     # One batch of checks (a round's answers on a rank) gets at most batch_timeout_s + timeout_per_answer_s x

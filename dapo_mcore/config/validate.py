@@ -143,6 +143,10 @@ def _check_reward(cfg: RunConfig) -> None:
     reward = cfg.algorithm.reward
     _require(reward.correct > reward.wrong, "algorithm.reward.correct must exceed algorithm.reward.wrong")
     _require(reward.timeout_s > 0.0, "algorithm.reward.timeout_s must be > 0")
+    _require(math.isfinite(reward.correct_threshold), "algorithm.reward.correct_threshold must be a finite number")
+    for source, spec in reward.verifiers.items():
+        _require(bool(source) and bool(spec), f"algorithm.reward.verifiers: {source!r}: {spec!r} needs a data source "
+                 "and a verifier")  # fmt: skip
     _require(
         reward.batch_timeout_s >= reward.timeout_s,
         f"algorithm.reward.batch_timeout_s ({reward.batch_timeout_s}) must be >= algorithm.reward.timeout_s "

@@ -22,6 +22,9 @@ from dapo_mcore.utils.logging import get_logger
 log = get_logger(__name__)
 
 
+# The row field naming the row's source (verl's name): the verifier of that source judges it.
+DATA_SOURCE_KEY = "data_source"
+
 # The longest reference answer a prompt file may hold: final answers are numbers and expressions.
 MAX_ANSWER_CHARS = 10_000
 
@@ -68,7 +71,12 @@ def _parse_row(line: str, line_no: int, path: Path, prompt_key: str, answer_key:
             f"{where}: the reference '{answer_key}' is {len(str(answer)):,} characters, over {MAX_ANSWER_CHARS:,}: "
             "a verifier compares final answers (a number, an expression), not documents; is it the right key?"
         )
-    return Prompt(text=prompt, answer=str(answer), uid=f"{path.name}:{line_no}")
+    data_source = row.get(DATA_SOURCE_KEY, "")
+    if not isinstance(data_source, str):
+        raise DataError(f"{where}: '{DATA_SOURCE_KEY}' must be a string (the verifier's name for it), got "
+                        f"{data_source!r}")  # fmt: skip
+    extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, DATA_SOURCE_KEY)}
+    return Prompt(prompt, str(answer), f"{path.name}:{line_no}", data_source, extra)
 
 
 def build_prompt_source(

@@ -70,6 +70,16 @@ class Prompt:
     answer: str
     # Stable identity of the prompt in its source (dataset index or generator index).
     uid: str = ""
+    # The row's `data_source` field (verl's name): which verifier judges it (algorithm.reward.verifiers) and the
+    # name its accuracy is logged under; "" for a file without one.
+    data_source: str = ""
+    # Every other field of the data file's row (not the prompt, the answer or data_source), as parsed: what a
+    # verifier that takes the row sees (rewards/verifiers.py).
+    extra: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        """What a verifier that takes the row gets: data_source and every extra field."""
+        return {"data_source": self.data_source, **self.extra}
 
 
 @dataclass
@@ -88,11 +98,14 @@ class Sample:
     # Which weights generated which tokens, as runs [[version, n_tokens], ...] in token order: an answer
     # continued by later weights (partial rollout) has several. Empty: all by policy_step.
     version_runs: list[list[int]] = field(default_factory=list)
-    # Set by scoring: the verifier's verdict (a check past its timeout counts as wrong), the length penalty
-    # and the total reward R_i.
+    # Set by scoring: the verifier's verdict (a check past its timeout counts as wrong), the reward the verifier
+    # gave (reward.correct / reward.wrong, or its graded score), the named parts of a verifier that returns a
+    # dict, the length penalty and the total reward R_i (the verifier's plus the length penalty).
     correct: bool = False
     timed_out: bool = False
     verify_error: bool = False  # the verifier raised on it (counted as wrong)
+    verifier_reward: float = 0.0
+    reward_parts: dict = field(default_factory=dict)
     length_penalty: float = 0.0
     reward: float = 0.0
     # Set from the group: A_i, and whether the sample's tokens enter the loss (overlong filtering).

@@ -4,8 +4,8 @@ A check that outlives `timeout_s` is counted as wrong (and as a timeout); its wo
 one takes its place. A worker that died (killed, out of memory) is replaced too: found dead before it is given
 a check, the check goes to its replacement; dying during a check, that check counts as wrong. A worker is used
 once it reports that its verifier is imported, so start-up time never counts against a check. A verifier that
-raises counts as wrong and its traceback is kept; one that returns what is no verdict (correct_of) is marked
-invalid, which the caller refuses (rollout/user_functions.py). With workers=0 the checks run in-process without
+raises counts as wrong and its traceback is kept; one that returns what is no verdict (rewards/contract.py) is
+marked invalid, which the caller refuses (rollout/user_functions.py). With workers=0 the checks run in-process without
 a timeout (debugging only). Before its first checks a pool has one worker judge PROBE_ANSWER: a verifier that
 does not return on it within timeout_s hangs on everything, and stops the run with one line (VerifierHangs).
 
@@ -21,15 +21,15 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
-import numbers
 import os
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
+from dapo_mcore.rewards.contract import VERDICTS, ScoreRule, call, call_style, read_value
 from dapo_mcore.utils.errors import DapoError
 from dapo_mcore.utils.imports import import_callable
 from dapo_mcore.utils.logging import get_logger
@@ -54,6 +54,12 @@ class Verdict:
     error: str | None = None  # the verifier raised: its traceback (the check counts as wrong)
     invalid: str | None = None  # the verifier returned what is no verdict: what, and what is wanted
     unchecked: bool = False  # never checked: the call's budget ran out first (timed_out too; counts as wrong)
+    score: float | None = None  # a graded verifier's score, the reward (rewards/contract.py); None: correct/wrong
+    parts: dict[str, float] = field(default_factory=dict)  # the named parts of a dict it returned
+
+
+# One check: (response, reference) or (response, reference, row), the row a dict (data/types.py Prompt.row).
+Check = tuple[str, str] | tuple[str, str, dict]
 
 
 AUTO = -1  # workers: scaled with the answers of a call (host_workers caps it)
@@ -77,41 +83,36 @@ def host_workers() -> int:
     return max(1, usable - 1)
 
 
-VERDICT_CONTRACT = "a verifier returns a bool, or a number in [0, 1] (correct from 0.5)"
+class Verifier:
+    """A verifier function with its calling convention and the rule its values are read by."""
+
+    def __init__(self, spec: str, rule: ScoreRule):
+        self.fn, self.rule = resolve_verifier(spec), rule
+        self.style = call_style(self.fn)
+
+    def check(self, response: str, reference: str, row: dict | None = None) -> Verdict:
+        """One check in this process: the verdict, the traceback of an exception, or what was wrong with the
+        value."""
+        try:
+            value = call(self.fn, self.style, response, reference, row)
+        except Exception:  # a verifier bug must not kill the worker: counted, and its traceback kept
+            return Verdict(correct=False, error=traceback.format_exc())
+        try:
+            read = read_value(value, self.rule)
+        except ValueError as err:
+            return Verdict(correct=False, invalid=str(err))
+        return Verdict(correct=read.correct, score=read.score, parts=read.parts)
 
 
-def correct_of(value: object) -> bool:
-    """A verifier's return value as a verdict: a bool, or a finite number in [0, 1] (correct from 0.5). Anything
-    else (NaN, a string such as "False", None, a tensor) is a ValueError naming it: bool() of it decided every
-    reward without a word ("False" and NaN are true)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's too
-        return bool(value)
-    if isinstance(value, numbers.Real) and math.isfinite(value) and 0 <= value <= 1:
-        return value >= 0.5
-    raise ValueError(f"returned {value!r} ({type(value).__name__}): {VERDICT_CONTRACT}")
-
-
-def _check(verifier: Callable[[str, str], object], response: str, reference: str) -> Verdict:
-    """One check in this process: the verdict, the traceback of an exception, or what was wrong with the value."""
-    try:
-        value = verifier(response, reference)
-    except Exception:  # a verifier bug must not kill the worker: counted, and its traceback kept
-        return Verdict(correct=False, error=traceback.format_exc())
-    try:
-        return Verdict(correct=correct_of(value))
-    except ValueError as err:
-        return Verdict(correct=False, invalid=str(err))
-
-
-def resolve_verifier(spec: str) -> Callable[[str, str], bool]:
-    """'dapo', 'math_verify', 'gsm8k', 'synthetic', or 'package.module:function' taking (response, reference) ->
-    bool."""
+def resolve_verifier(spec: str) -> Callable[..., object]:
+    """'dapo', 'math_verify', 'gsm8k', 'synthetic', or 'package.module:function' (rewards/contract.py: its
+    signatures and values)."""
     return import_callable(BUILTIN_VERIFIERS.get(spec, spec), what=f"verifier (one of {sorted(BUILTIN_VERIFIERS)} or)")
 
 
-def _worker_main(conn, spec: str) -> None:
+def _worker_main(conn, spec: str, rule: ScoreRule) -> None:
     die_with_parent()
-    verifier = resolve_verifier(spec)
+    verifier = Verifier(spec, rule)
     conn.send("ready")  # deadlines start once the verifier is imported, not while the process starts
     while True:
         try:
@@ -120,15 +121,15 @@ def _worker_main(conn, spec: str) -> None:
             return
         if task is None:
             return
-        index, response, reference = task
-        verdict = _check(verifier, response, reference)
-        conn.send((index, verdict.correct, verdict.error, verdict.invalid))
+        index, check = task
+        verdict = verifier.check(*check)
+        conn.send((index, verdict))
 
 
 class _Worker:
-    def __init__(self, ctx, spec: str, startup_timeout_s: float):
+    def __init__(self, ctx, spec: str, rule: ScoreRule, startup_timeout_s: float):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, spec, rule), daemon=True)
         self.process.start()
         child.close()
         if not self.conn.poll(startup_timeout_s) or self.conn.recv() != "ready":
@@ -153,16 +154,20 @@ class VerifierPool:
         startup_timeout_s: float = 120.0,
         batch_timeout_s: float = float("inf"),
         timeout_per_answer_s: float = 0.0,
+        rule: ScoreRule = VERDICTS,
+        probe_row: dict | None = None,
     ):
         """batch_timeout_s + timeout_per_answer_s x answers / workers: one verify call's budget; past it, the
         checks not done count as timed out (wrong) at once, so that a verifier that hangs costs a step that
-        much, not timeout_s per answer in turn. workers: a count, 0 (in-process) or AUTO."""
-        self.spec, self.n_workers, self.timeout_s = spec, workers, timeout_s
+        much, not timeout_s per answer in turn. workers: a count, 0 (in-process) or AUTO. rule: how values are
+        read (graded, the correct threshold); probe_row: the row the start-up probe is checked with."""
+        self.spec, self.n_workers, self.timeout_s, self.rule = spec, workers, timeout_s, rule
+        self.probe_row = probe_row or {"data_source": ""}
         self.startup_timeout_s, self.batch_timeout_s = startup_timeout_s, batch_timeout_s
         self.timeout_per_answer_s = timeout_per_answer_s
         self.max_workers = host_workers() if workers == AUTO else workers
         self._cost_said = self._pace_said = False
-        self._verifier = resolve_verifier(spec)  # fail fast in the parent on a bad spec
+        self._verifier = Verifier(spec, rule)  # fail fast in the parent on a bad spec
         self._ctx = mp.get_context("spawn")  # no fork of a process holding torch and gloo threads
         self._workers: list[_Worker] = []
         self._timeouts = 0  # checks timed out in the current batch
@@ -177,9 +182,9 @@ class VerifierPool:
         """One call's budget for `answers` checks, with the workers it runs on."""
         return self.batch_timeout_s + self.timeout_per_answer_s * answers / max(1, self.workers_for(answers))
 
-    def verify(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+    def verify(self, pairs: list[Check]) -> list[Verdict]:
         if self.n_workers == 0:
-            return [self._verify_inline(r, ref) for r, ref in pairs]
+            return [self._verifier.check(*check) for check in pairs]
         wanted = self.workers_for(len(pairs))
         if len(self._workers) < wanted:
             self._workers += [self._start() for _ in range(wanted - len(self._workers))]
@@ -201,7 +206,7 @@ class VerifierPool:
             for w in range(len(self._workers)):
                 if w not in busy and pending:
                     task = pending.popleft()
-                    self._send(w, (task, *pairs[task]))
+                    self._send(w, (task, pairs[task]))
                     busy[w] = (task, min(time.monotonic() + self.timeout_s, budget_end))
             if busy:
                 self._collect(busy, results)
@@ -261,11 +266,11 @@ class VerifierPool:
         for conn in wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
             w = conns[conn]
             try:
-                task, correct, error, invalid = conn.recv()
+                task, verdict = conn.recv()
             except (EOFError, OSError):  # the worker died (crash, out of memory)
-                task, correct, error, invalid = busy[w][0], False, "verifier worker died", None
+                task, verdict = busy[w][0], Verdict(correct=False, error="verifier worker died")
                 self._replace_dead(w, "during a check, which counts as wrong")
-            results[task] = Verdict(correct=correct, error=error, invalid=invalid)
+            results[task] = verdict
             del busy[w]
 
     def _expire(self, busy, results, answers: int) -> None:
@@ -293,7 +298,7 @@ class VerifierPool:
         all-wrong rewards meanwhile."""
         self._probed = True
         worker = self._workers[0]
-        worker.conn.send((-1, *PROBE_ANSWER))
+        worker.conn.send((-1, (*PROBE_ANSWER, self.probe_row)))
         try:
             if worker.conn.poll(self.timeout_s):
                 worker.conn.recv()
@@ -331,14 +336,11 @@ class VerifierPool:
         self._replace(w)
 
     def _start(self) -> _Worker:
-        return _Worker(self._ctx, self.spec, self.startup_timeout_s)
+        return _Worker(self._ctx, self.spec, self.rule, self.startup_timeout_s)
 
     def _replace(self, w: int) -> None:
         self._workers[w].kill()
         self._workers[w] = self._start()
-
-    def _verify_inline(self, response: str, reference: str) -> Verdict:
-        return _check(self._verifier, response, reference)
 
     def close(self) -> None:
         for worker in self._workers:

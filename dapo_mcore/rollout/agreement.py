@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.rewards.pool import Check, Verdict
 from dapo_mcore.rollout.base import Completion
 from dapo_mcore.rollout.partial import QuotaStopper
 
@@ -100,22 +100,20 @@ class AgreedVerify:
     verifier pool and publishes the verdicts of its n-th call; its peers, which make the same calls in the same
     order (they generate the same answers), read them instead of verifying. Engine TP 1: the pool itself."""
 
-    def __init__(self, verify: Callable[[list[tuple[str, str]]], list[Verdict]], board: Board, role: ReplicaRole):
+    def __init__(self, verify: Callable[[list[Check]], list[Verdict]], board: Board, role: ReplicaRole):
         self.verify, self.board, self.role = verify, board, role
         self.calls = 0
 
-    def __call__(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
+    def __call__(self, pairs: list[Check]) -> list[Verdict]:
         if self.role.tp_size == 1:
             return self.verify(pairs)
         key = f"verdicts/{self.role.replica}/{self.calls}"
         self.calls += 1
         if self.role.leader:
             verdicts = self.verify(pairs)
-            published = [[v.correct, v.timed_out, v.error, v.invalid, v.unchecked] for v in verdicts]
-            self.board.publish(key, json.dumps(published).encode())
+            self.board.publish(key, json.dumps([asdict(v) for v in verdicts]).encode())
             return verdicts
-        read = json.loads(self.role.read_once(self.board, key))
-        return [Verdict(bool(c), bool(t), e, i, bool(u)) for c, t, e, i, u in read]
+        return [Verdict(**fields) for fields in json.loads(self.role.read_once(self.board, key))]
 
 
 class RoundControl:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,8 @@ class SampleSummary:
     routing_shape: tuple[int, ...] = ()
     routing_dropped: bool = False
     verify_error: bool = False
+    verifier_reward: float = 0.0
+    reward_parts: dict = field(default_factory=dict)  # the verifier's named parts (reward_part/<name> metrics)
 
     @property
     def truncated(self) -> bool:
@@ -72,7 +74,7 @@ class SampleSummary:
 # listed once, copied both ways by summarize and _sample.
 VERBATIM_FIELDS = (
     "finish_reason", "correct", "timed_out", "verify_error", "length_penalty", "reward", "trainable", "policy_step",
-    "routing_dropped",
+    "routing_dropped", "verifier_reward", "reward_parts",
 )  # fmt: skip
 
 

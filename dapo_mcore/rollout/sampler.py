@@ -27,8 +27,8 @@ import torch
 from dapo_mcore.algo.dynamic_sampling import KeepRateEstimator, keep_group_mask
 from dapo_mcore.data.batching import sample_tokens
 from dapo_mcore.data.datasets import PromptStream
-from dapo_mcore.data.types import Group, Prompt, Sample, group_to_dict, token_tensor, value_tensor
-from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.data.types import Group, Prompt, Sample, accuracy, group_to_dict, token_tensor, value_tensor
+from dapo_mcore.rewards.pool import Check, Verdict
 from dapo_mcore.rollout.agreement import AgreedVerify, Board, LocalBoard, ReplicaRole, RoundControl
 from dapo_mcore.rollout.base import RolloutEngine, SamplingParams
 from dapo_mcore.rollout.exchange import (
@@ -76,9 +76,10 @@ class DynamicSamplingCapError(DapoError):
     pass
 
 
-def correctness_spread(group: Group) -> bool:
-    """The default filter: the group's verifier scores differ (0 < accuracy < 1, paper eq. 11)."""
-    return bool(keep_group_mask(torch.tensor([[s.correct for s in group.samples]]))[0])
+def reward_spread(group: Group) -> bool:
+    """The default filter: the group's verifier rewards (before the length shaping) differ: 0 < accuracy < 1 for
+    verdicts (paper eq. 11), any spread of graded scores."""
+    return bool(keep_group_mask(torch.tensor([[s.verifier_reward for s in group.samples]]))[0])
 
 
 class RolloutSampler:
@@ -87,12 +88,12 @@ class RolloutSampler:
         engine: RolloutEngine,
         tokenizer: Any,  # the prompt encoder: tokenizer(text).input_ids (e.g. data.templates.PromptFormatter)
         prompts: PromptStream,
-        verify: Callable[[list[tuple[str, str]]], list[Verdict]],
+        verify: Callable[[list[Check]], list[Verdict]],
         settings: SamplerSettings,
         rank: int,
         world_size: int,
         all_gather: Callable[[Any], list[Any]],
-        keep_filter: Callable[[Group], bool] = correctness_spread,
+        keep_filter: Callable[[Group], bool] = reward_spread,
         engine_tp_size: int = 1,
         # the all-to-all that moves the chosen groups' tokens (rollout/exchange.py Transport); None: one process
         exchange: Transport | None = None,
@@ -447,6 +448,7 @@ def _rollout_metrics(
             "reward/verifier_errors": float(sum(s.verify_error for s in samples)),
         }
     )
+    metrics.update(_source_metrics(generated))
     if any(s.routing_shape or s.routing_dropped for s in samples):  # routing replay: the samples without it
         metrics["rollout/routing_dropped"] = float(sum(s.routing_dropped for s in samples))
     if cfg.overlong_enabled:
@@ -456,4 +458,23 @@ def _rollout_metrics(
         accuracies = [g.accuracy for g in generated]
         metrics["dynamic_sampling/all_correct_groups"] = float(sum(a == 1.0 for a in accuracies))
         metrics["dynamic_sampling/all_wrong_groups"] = float(sum(a == 0.0 for a in accuracies))
+    return metrics
+
+
+def _source_metrics(generated: list[GroupSummary]) -> dict[str, float]:
+    """rollout/accuracy/<source> for each data_source of a file that names them (mixed data), and the mean of each
+    named part a verifier returned (reward_part/<name>, over the samples that have it)."""
+    metrics: dict[str, float] = {}
+    by_source: dict[str, list] = {}
+    for g in generated:
+        by_source.setdefault(g.prompt.data_source, []).extend(g.samples)
+    if any(by_source):  # not one unnamed source only
+        for source, samples in sorted(by_source.items()):
+            metrics[f"rollout/accuracy/{source or 'unnamed'}"] = accuracy(samples)
+    parts: dict[str, list[float]] = {}
+    for g in generated:
+        for s in g.samples:
+            for name, value in s.reward_parts.items():
+                parts.setdefault(name, []).append(value)
+    metrics.update({f"reward_part/{name}": sum(values) / len(values) for name, values in sorted(parts.items())})
     return metrics

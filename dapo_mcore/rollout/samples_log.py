@@ -92,8 +92,11 @@ def sample_row(group: Group, i: int, group_position: int, step: int, tokenizer: 
         # as the engines return it to the verifier (their text skips special tokens)
         "answer": tokenizer.decode(_ids(sample.response_ids), skip_special_tokens=True),
         "ground_truth": group.prompt.answer,
+        "data_source": group.prompt.data_source,
         "correct": bool(sample.correct),
         "timed_out": bool(sample.timed_out),
+        "verifier_reward": float(sample.verifier_reward),  # the reward before the length shaping
+        "reward_parts": dict(sample.reward_parts),
         "reward": float(sample.reward),
         "length_penalty": float(sample.length_penalty),
         "advantage": float(sample.advantage),

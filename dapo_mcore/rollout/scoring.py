@@ -12,9 +12,12 @@ import torch
 from dapo_mcore.algo.advantages import group_advantages
 from dapo_mcore.algo.shaping import linear_length_penalty, overlong_filter_mask, soft_overlong_penalty
 from dapo_mcore.data.types import Group
-from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.rewards.pool import Check, Verdict
 from dapo_mcore.rollout.settings import SamplerSettings
 from dapo_mcore.rollout.user_functions import VerdictCheck, kept_by, verified
+
+# What a sample holds of its verdict (copied from an earlier judgement of the same answers: score_partial).
+VERDICT_FIELDS = ("correct", "timed_out", "verify_error", "verifier_reward", "reward_parts")
 
 
 class GroupScoring:
@@ -24,7 +27,7 @@ class GroupScoring:
     def __init__(
         self,
         settings: SamplerSettings,
-        verify: Callable[[list[tuple[str, str]]], list[Verdict]],
+        verify: Callable[[list[Check]], list[Verdict]],
         keep_filter: Callable[[Group], bool],
     ):
         self.settings, self.verify, self.keep_filter = settings, verify, keep_filter
@@ -40,8 +43,8 @@ class GroupScoring:
         for group, earlier in zip(groups, judged):
             if earlier is not None:
                 for sample, scored in zip(group.samples, earlier.samples):
-                    sample.correct, sample.timed_out = scored.correct, scored.timed_out
-                    sample.verify_error = scored.verify_error
+                    for name in VERDICT_FIELDS:
+                        setattr(sample, name, getattr(scored, name))
         self.score([g for g, earlier in zip(groups, judged) if earlier is None])
         self.apply_rewards([g for g, earlier in zip(groups, judged) if earlier is not None])
 
@@ -50,11 +53,17 @@ class GroupScoring:
         if not samples:
             return
         # a verify that raises is named as such, not as the engine it raised inside (partial rollout)
-        verdicts = verified(self.verify, [(s.response_text, g.prompt.answer) for g in groups for s in g.samples])
+        checks = [(s.response_text, g.prompt.answer, g.prompt.row()) for g in groups for s in g.samples]
+        verdicts = verified(self.verify, checks)
         answers = [s.response_text for s in samples]
         self.check_verdicts(verdicts, f"checking the {len(samples)} answers of {len(groups)} prompts", answers)
+        cfg = self.settings
         for s, verdict in zip(samples, verdicts):
             s.correct, s.timed_out, s.verify_error = verdict.correct, verdict.timed_out, verdict.error is not None
+            # a graded verifier's score is the reward; a verdict's is reward.correct / reward.wrong
+            s.verifier_reward = verdict.score if verdict.score is not None else (
+                cfg.reward_correct if verdict.correct else cfg.reward_wrong)  # fmt: skip
+            s.reward_parts = dict(verdict.parts)
         self.apply_rewards(groups)
 
     def apply_rewards(self, groups: list[Group]) -> None:
@@ -66,10 +75,9 @@ class GroupScoring:
         trainable_B = torch.ones(len(samples))
         if self.settings.overlong_filter:
             trainable_B = overlong_filter_mask(torch.tensor([s.truncated for s in samples]))
-        cfg = self.settings
         for s, penalty, trainable in zip(samples, penalty_B.tolist(), trainable_B.tolist()):
             s.length_penalty = penalty
-            s.reward = (cfg.reward_correct if s.correct else cfg.reward_wrong) + penalty
+            s.reward = s.verifier_reward + penalty
             s.trainable = bool(trainable)
 
     def length_penalty(self, lengths_B: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dapo_mcore.data.types import Group
-from dapo_mcore.rewards.pool import Verdict
+from dapo_mcore.rewards.pool import Check, Verdict
 from dapo_mcore.utils.errors import DapoError, UserCodeError
 from dapo_mcore.utils.logging import get_logger
 
@@ -25,7 +25,7 @@ VERIFIER_KEY = "algorithm.reward.verifier"
 FILTER_KEY = "algorithm.dynamic_sampling.filter"
 
 
-def verified(verify: Callable[[list[tuple[str, str]]], list[Verdict]], pairs: list[tuple[str, str]]) -> list[Verdict]:
+def verified(verify: Callable[[list[Check]], list[Verdict]], pairs: list[Check]) -> list[Verdict]:
     """verify(pairs), or a UserCodeError naming the verifier if it raised. (The pool counts a check that raises
     as wrong; what reaches here failed around the checks, or is a verify function of the caller's own.)"""
     try:

@@ -16,6 +16,7 @@ from typing import Any
 from dapo_mcore.algo.eval_metrics import eval_metrics
 from dapo_mcore.config.schema import RolloutConfig, TrainerConfig
 from dapo_mcore.data.types import Prompt
+from dapo_mcore.rewards.pool import Check
 from dapo_mcore.rollout.base import Completion, RolloutEngine, SamplingParams
 from dapo_mcore.rollout.placement import ReplicaSplit
 from dapo_mcore.rollout.user_functions import VerdictCheck
@@ -76,7 +77,7 @@ def answer_and_check(
     engine: RolloutEngine,
     encode: Callable[[str], Any],
     prompts: list[Prompt],
-    verify: Callable[[list[tuple[str, str]]], list[Any]],
+    verify: Callable[[list[Check]], list[Any]],
     extract: Callable[[str], str | None],
     settings: EvalSettings,
     on_progress: Callable[[int], None] = lambda n: None,
@@ -98,7 +99,7 @@ def answer_and_check(
             seed=settings.seed + start * settings.k,
         )
         groups = engine.generate([encode(p.text).input_ids for p in chunk], params)
-        verdicts = verify([(c.text, p.answer) for p, group in zip(chunk, groups) for c in group])
+        verdicts = verify([(c.text, p.answer, p.row()) for p, group in zip(chunk, groups) for c in group])
         check_verdicts(verdicts, f"on the held-out answers of problems {start}-{start + len(chunk) - 1}")
         for i, group in enumerate(groups):
             group_verdicts = verdicts[i * settings.k : (i + 1) * settings.k]
@@ -118,7 +119,7 @@ class Validator:
         files: dict[str, list[Prompt]],
         engine: RolloutEngine,
         encode: Callable[[str], Any],
-        verify: Callable[[list[tuple[str, str]]], list[Any]],
+        verify: Callable[[list[Check]], list[Any]],
         extract: Callable[[str], str | None],
         settings: EvalSettings,
         replica: int = 0,
@@ -137,10 +138,11 @@ class Validator:
     def run(self) -> dict[str, float]:
         metrics = {}
         for name, prompts in self.files.items():
-            for rule, (correct, answers) in self._checked_in_order(prompts).items():
+            for rule, checked in self._checked_in_order(prompts).items():
                 label = Path(name).stem + (f":{rule}" if rule else "")
-                for key, value in eval_metrics(correct, answers, self.settings.k).items():
-                    metrics[f"eval/{label}/{key}"] = value
+                for part, (correct, answers) in by_source(label, prompts, checked).items():
+                    for key, value in eval_metrics(correct, answers, self.settings.k).items():
+                        metrics[f"eval/{part}/{key}"] = value
         return metrics
 
     def _checked_in_order(self, prompts: list[Prompt]) -> dict[str, Checked]:
@@ -170,3 +172,17 @@ def check_also(rules: dict[str, Rule], checked: dict[str, Checked], problem: Ans
     for rule, (is_correct, extract) in rules.items():
         checked[rule][0].append([bool(is_correct(text, problem.prompt.answer)) for text in texts])
         checked[rule][1].append([extract(text) for text in texts])
+
+
+def by_source(label: str, prompts: list[Prompt], checked: Checked) -> dict[str, Checked]:
+    """{label: checked} and, for a file whose rows name their data_source, {label[source]: that source's
+    problems} beside it: the accuracy of each source of a mixed file."""
+    out = {label: checked}
+    sources = sorted({p.data_source for p in prompts})
+    if sources == [""]:
+        return out
+    correct, answers = checked
+    for source in sources:
+        rows = [i for i, p in enumerate(prompts) if p.data_source == source]
+        out[f"{label}[{source or 'unnamed'}]"] = ([correct[i] for i in rows], [answers[i] for i in rows])
+    return out

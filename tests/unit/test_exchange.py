@@ -320,7 +320,8 @@ def test_every_summary_field_is_copied_verbatim_or_converted_and_survives_the_ro
     assert names == set(exchange.VERBATIM_FIELDS) | converted
     sample = Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], "length", policy_step=7)
     values = {"correct": True, "timed_out": True, "verify_error": True, "length_penalty": -0.5, "reward": 0.25,
-              "trainable": False, "routing_dropped": True}  # fmt: skip
+              "trainable": False, "routing_dropped": True, "verifier_reward": 0.75,
+              "reward_parts": {"format": 1.0}}  # fmt: skip
     for name, value in values.items():
         setattr(sample, name, value)
     summary = exchange.summarize(exchange.Group(Prompt("p", "1"), [sample]), True, 0, (0, 0))

@@ -66,7 +66,8 @@ def test_a_step_file_holds_each_answer_as_text_with_its_verdict_reward_advantage
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows[0] == {
         "step": 5, "group": 0, "sample": 0, "prompt_uid": "arith-7", "prompt": "1+1?", "answer": "R0",
-        "ground_truth": "2", "correct": True, "timed_out": False, "reward": 1.0, "length_penalty": 0.0,
+        "ground_truth": "2", "data_source": "", "correct": True, "timed_out": False, "verifier_reward": 0.0,
+        "reward_parts": {}, "reward": 1.0, "length_penalty": 0.0,
         "advantage": 0.75, "trainable": True, "finish_reason": "stop", "response_len": 3, "prompt_len": 4,
         "weight_versions": [[3, 2], [4, 1]],
     }  # fmt: skip

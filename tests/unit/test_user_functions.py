@@ -84,7 +84,7 @@ def test_the_run_ends_with_one_line_naming_the_filter_and_exit_2(partial, tmp_pa
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("tests.verifiers:string_false", "returned 'False' (str): a verifier returns a bool, or a number in [0, 1]"),
+        ("tests.verifiers:string_false", "returned 'False' (str): a verifier returns a bool, a number in [0, 1]"),
         ("tests.verifiers:not_a_number", "returned nan (float): a verifier returns a bool"),
     ],
 )
@@ -171,9 +171,10 @@ def test_a_verifier_worker_whose_run_is_gone_ends_without_a_traceback(capfd):
     """After a kill of the run, its verifier workers printed an EOFError traceback on their way out."""
     import multiprocessing as mp
 
+    from dapo_mcore.rewards.contract import VERDICTS
     from dapo_mcore.rewards.pool import _Worker
 
-    worker = _Worker(mp.get_context("spawn"), "dapo", startup_timeout_s=120)
+    worker = _Worker(mp.get_context("spawn"), "dapo", VERDICTS, startup_timeout_s=120)
     worker.conn.close()  # as when the run's process is gone
     worker.process.join(timeout=30)
     assert worker.process.exitcode == 0
