@@ -48,13 +48,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_mcore.config.schema import AlgorithmConfig, SamplingConfig
+from dapo_mcore.config.schema import PAPERS_LOSS_AGG, AlgorithmConfig, SamplingConfig
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")
 TIS_MODES = ("none", "token", "sequence", "sequence_geometric", "sequence_mask", "token_reject", "icepop")
 # The aggregation a policy loss takes when algorithm.loss_agg is "auto" (its paper's); the others: token-mean.
-POLICY_LOSS_AGG = {"sapo": "seq-mean-token-mean"}
+POLICY_LOSS_AGG = PAPERS_LOSS_AGG
 POLICY_LOSSES = ("dapo", "gspo", "cispo", "sapo")
 _GSPO_LOG_RATIO_MAX = 10.0  # verl's cap of GSPO's log sequence ratio
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite when log-probs drift apart

@@ -375,6 +375,12 @@ class SapoConfig:
     tau_neg: float = 1.05
 
 
+# algorithm.loss_agg=auto for each policy loss whose paper aggregates otherwise than token-mean: SAPO (arXiv
+# 2511.20347) and GSPO (arXiv 2507.18071, eq. 5) average each sequence's token terms, then the sequences, as verl's
+# sapo and gspo do.
+PAPERS_LOSS_AGG = {"sapo": "seq-mean-token-mean", "gspo": "seq-mean-token-mean"}
+
+
 @dataclass
 class AlgorithmConfig:
     # The policy loss: "dapo" (clip-higher PPO, the paper's), "gspo" (sequence-level ratio, arXiv 2507.18071),
@@ -390,7 +396,7 @@ class AlgorithmConfig:
     dual_clip_c: float | None = 10.0
     # "token-mean" (the paper), "seq-mean-token-mean" (GRPO), "seq-mean-token-sum",
     # "seq-mean-token-sum-norm" (Dr.GRPO); every mode is over the whole mini-batch. "auto": the policy loss's
-    # paper's, seq-mean-token-mean for sapo, token-mean for the others.
+    # paper's (PAPERS_LOSS_AGG): seq-mean-token-mean for sapo and gspo, token-mean for the others.
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "auto"
     )

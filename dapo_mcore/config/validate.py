@@ -7,7 +7,7 @@ import math
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
-from dapo_mcore.config.schema import RunConfig
+from dapo_mcore.config.schema import PAPERS_LOSS_AGG, RunConfig
 from dapo_mcore.utils.errors import ConfigError
 
 # The shortest parallel.peer_timeout_s a run may set (0 aside: no watch); the ranks then beat every 5/6 s.
@@ -40,10 +40,12 @@ def config_warnings(cfg: RunConfig) -> list[str]:
     `dapo-mcore check`)."""
     algo = cfg.algorithm
     lines = []
-    if algo.policy_loss == "sapo" and algo.loss_agg not in ("auto", "seq-mean-token-mean"):
+    papers = PAPERS_LOSS_AGG.get(algo.policy_loss)
+    if papers is not None and algo.loss_agg not in ("auto", papers):
         lines.append(
-            f"algorithm.policy_loss=sapo with algorithm.loss_agg={algo.loss_agg}: the SAPO paper (and verl) average "
-            "each sequence's tokens, then the sequences (seq-mean-token-mean, what loss_agg=auto gives sapo)"
+            f"algorithm.policy_loss={algo.policy_loss} with algorithm.loss_agg={algo.loss_agg}: the {algo.policy_loss} "
+            f"paper (and verl) average each sequence's tokens, then the sequences ({papers}, what loss_agg=auto gives "
+            f"{algo.policy_loss})"
         )
     max_len = cfg.rollout.sampling.max_response_len
     if algo.mismatch.tis == "sequence" and max_len > LONG_SEQUENCE_TIS:

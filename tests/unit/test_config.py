@@ -225,14 +225,18 @@ def test_the_resume_warning_on_changed_keys_is_rank_0s_alone(monkeypatch, rank, 
         )
 
 
-def test_sapo_takes_its_papers_sequence_mean_unless_told_otherwise_and_says_so():
-    """SAPO (arXiv 2511.20347, verl) averages each sequence's tokens, then the sequences; loss_agg=auto gives
+def test_sapo_and_gspo_take_their_papers_sequence_mean_unless_told_otherwise_and_say_so():
+    """SAPO (arXiv 2511.20347) and GSPO (arXiv 2507.18071), as verl, average each sequence's tokens, then the
+    sequences; loss_agg=auto gives
     each policy loss its paper's aggregation, and an explicit other one is run with one warning line."""
     from dapo_mcore.build import loss_settings
     from dapo_mcore.config.validate import config_warnings
 
-    agg = {p: loss_settings(load_config(None, [f"algorithm.policy_loss={p}"])).agg_mode for p in ("dapo", "sapo")}
-    assert agg == {"dapo": "token-mean", "sapo": "seq-mean-token-mean"}
+    losses = ("dapo", "sapo", "gspo", "cispo")
+    agg = {p: loss_settings(load_config(None, [f"algorithm.policy_loss={p}"])).agg_mode for p in losses}
+    assert agg == {"dapo": "token-mean", "sapo": "seq-mean-token-mean", "gspo": "seq-mean-token-mean",
+                   "cispo": "token-mean"}  # fmt: skip
+    assert config_warnings(load_config(None, ["algorithm.policy_loss=gspo", "algorithm.loss_agg=token-mean"]))
     assert config_warnings(load_config(None, ["algorithm.policy_loss=sapo"])) == []
     told = load_config(None, ["algorithm.policy_loss=sapo", "algorithm.loss_agg=token-mean"])
     assert loss_settings(told).agg_mode == "token-mean"
