@@ -953,8 +953,11 @@ def _verifier_workers(cfg: RunConfig, lay: _Layout, n: int, assumed: Assumed) ->
         source = f"algorithm.reward.workers -1: a round's {answers:,.0f} answers, --cpus-per-task {assumed.cpu_threads}"
     replicas = max(1, n // lay.engine_tp)
     plural = "s" if replicas != 1 else ""
-    formula = f"{replicas} replica{plural} x {workers} workers x {_VERIFIER_WORKER_GIB:g} GiB ({source})"
-    return (Line("verifier workers", replicas * workers * _VERIFIER_WORKER_GIB * GIB, formula),)
+    # a pool for each distinct verifier (algorithm.reward.verifiers), each as large at most (rewards/by_source.py)
+    pools = len({cfg.algorithm.reward.verifier, *cfg.algorithm.reward.verifiers.values()})
+    per_pool = f" x {pools} verifiers" if pools > 1 else ""
+    formula = f"{replicas} replica{plural}{per_pool} x {workers} workers x {_VERIFIER_WORKER_GIB:g} GiB ({source})"
+    return (Line("verifier workers", replicas * pools * workers * _VERIFIER_WORKER_GIB * GIB, formula),)
 
 
 def _rollout_data(cfg: RunConfig, shape: ModelShape, lay: _Layout, n: int, assumed: Assumed) -> Line:

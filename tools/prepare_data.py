@@ -5,8 +5,9 @@
                                  [--heldout N --heldout-out heldout.jsonl] [--seed 0] [--keep-duplicates]
                                  [--instruction dapo]
 
-Each output row is {"prompt", "answer", "source"} ("source" = input file name and row number), the format
-`data.source` and `dapo-mcore eval` read. The layout of each file is recognised from its columns unless
+Each output row is {"prompt", "answer", "source"} ("source" = input file name and row number), with verl's
+"data_source" and "extra_info" where the input has them (a row's verifier: algorithm.reward.verifiers), the
+format `data.source` and `dapo-mcore eval` read. The layout of each file is recognised from its columns unless
 --layout is given (see dapo_mcore/data/published.py). A bad row stops with one line naming the file and the
 row; prompts seen before are reported (with both places) and left out unless --keep-duplicates; --heldout
 moves N rows, drawn with --seed, into a second file for validation. Nothing is dropped without a line saying so.

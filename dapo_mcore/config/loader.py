@@ -131,9 +131,16 @@ def changes_the_experiment(change: tuple[str, Any, Any]) -> bool:
     from an older version lacks and that holds its default now (nor one this version no longer has): a job
     re-queued after an upgrade that added a key continues its run."""
     key, old, new = change
-    if any(fnmatch.fnmatchcase(key, pattern) for pattern in SAME_EXPERIMENT_KEYS) or new == _ABSENT:
+    if any(fnmatch.fnmatchcase(key, pattern) for pattern in SAME_EXPERIMENT_KEYS):
         return False
+    if new == _ABSENT:  # a key this version no longer has, unless an entry of a mapping (reward.verifiers) went
+        return _in_a_mapping(key)
     return not (old == _ABSENT and _value_at(config_to_dict(RunConfig()), key) == new)
+
+
+def _in_a_mapping(key: str) -> bool:
+    """An entry of a mapping-valued key (algorithm.reward.verifiers.<source>), not a key of the schema."""
+    return any(key.startswith(f"{leaf}.") for leaf in all_keys())
 
 
 def _value_at(tree: dict[str, Any], dotted: str) -> Any:

@@ -145,7 +145,11 @@ def _check_reward(cfg: RunConfig) -> None:
     reward = cfg.algorithm.reward
     _require(reward.correct > reward.wrong, "algorithm.reward.correct must exceed algorithm.reward.wrong")
     _require(reward.timeout_s > 0.0, "algorithm.reward.timeout_s must be > 0")
-    _require(math.isfinite(reward.correct_threshold), "algorithm.reward.correct_threshold must be a finite number")
+    _require(
+        math.isfinite(reward.correct_threshold) and (reward.graded or 0.0 < reward.correct_threshold <= 1.0),
+        f"algorithm.reward.correct_threshold={reward.correct_threshold}: a verdict's number lies in [0, 1], so the "
+        "threshold must be in (0, 1] (any finite value with algorithm.reward.graded=true)",
+    )
     for source, spec in reward.verifiers.items():
         _require(bool(source) and bool(spec), f"algorithm.reward.verifiers: {source!r}: {spec!r} needs a data source "
                  "and a verifier")  # fmt: skip

@@ -71,7 +71,7 @@ def _parse_row(line: str, line_no: int, path: Path, prompt_key: str, answer_key:
             f"{where}: the reference '{answer_key}' is {len(str(answer)):,} characters, over {MAX_ANSWER_CHARS:,}: "
             "a verifier compares final answers (a number, an expression), not documents; is it the right key?"
         )
-    data_source = row.get(DATA_SOURCE_KEY, "")
+    data_source = row.get(DATA_SOURCE_KEY) or ""
     if not isinstance(data_source, str):
         raise DataError(f"{where}: '{DATA_SOURCE_KEY}' must be a string (the verifier's name for it), got "
                         f"{data_source!r}")  # fmt: skip

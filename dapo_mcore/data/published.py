@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,13 @@ class PromptRow:
     prompt: str
     answer: str
     source: str
+    # verl's fields, kept where the file has them: the verifier a row goes to (algorithm.reward.verifiers) and
+    # what a verifier that takes the row reads (docs/data.md)
+    carried: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"prompt": self.prompt, "answer": self.answer, "source": self.source}, ensure_ascii=False)
+        row = {"prompt": self.prompt, "answer": self.answer, "source": self.source, **self.carried}
+        return json.dumps(row, ensure_ascii=False, default=str)  # a parquet cell may hold dates, arrays
 
 
 class RowError(ValueError):
@@ -102,6 +106,10 @@ def detect_layout(row: dict[str, Any], path: Path) -> str:
     raise DataError(f"{path}: cannot tell the layout from the columns {sorted(keys)}; give --layout ({LAYOUTS})")
 
 
+# Columns a converted row keeps as they are (verl's: DAPO-Math-17k has both).
+CARRIED_FIELDS = ("data_source", "extra_info")
+
+
 def convert_file(path: Path, layout: str | None = None) -> list[PromptRow]:
     """Every row of the file as a PromptRow; the first bad row is an error naming file and row."""
     out: list[PromptRow] = []
@@ -116,7 +124,8 @@ def convert_file(path: Path, layout: str | None = None) -> list[PromptRow]:
             prompt, answer = convert(row)
         except RowError as err:
             raise DataError(f"{where}: {err}") from None
-        out.append(PromptRow(prompt=prompt, answer=answer, source=f"{path.name}:{index}"))
+        carried = {key: row[key] for key in CARRIED_FIELDS if row.get(key) is not None}
+        out.append(PromptRow(prompt=prompt, answer=answer, source=f"{path.name}:{index}", carried=carried))
     if not out:
         raise DataError(f"{path} holds no rows")
     return out

@@ -81,6 +81,11 @@ class Prompt:
         """What a verifier that takes the row gets: data_source and every extra field."""
         return {"data_source": self.data_source, **self.extra}
 
+    @property
+    def source_label(self) -> str:
+        """The data source as metric names hold it: one path segment ("openai/gsm8k" -> "openai_gsm8k")."""
+        return self.data_source.replace("/", "_") or "unnamed"
+
 
 @dataclass
 class Sample:

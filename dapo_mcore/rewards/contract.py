@@ -2,8 +2,8 @@
 
 Three signatures are accepted, told apart by the function's parameters (call_style):
   - `fn(response, reference)`: the answer and the row's reference answer;
-  - `fn(response, reference, row)` (a third parameter, or one named `row`): also the data row, a dict of its
-    `data_source` and every other field of the data file (data/types.py Prompt.row);
+  - `fn(response, reference, row)` (a third parameter without a default, or one named `row`): also the data row,
+    a dict of its `data_source` and every other field of the data file (data/types.py Prompt.row);
   - verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` (a parameter named
     `solution_str`), called with those keywords that it takes; `extra_info` is the row's own `extra_info` object
     when it has one (verl's data files), else the row's other fields.
@@ -68,11 +68,11 @@ def call_style(fn: Callable[..., Any]) -> str:
         return "pair"
     if "solution_str" in params:
         return "verl"
-    positional = [
-        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
-    ]
+    # a third positional parameter without a default (fn(response, reference, strict=False) is the pair form)
+    required = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]  # fmt: skip
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params.values())
-    return "row" if "row" in params or len(positional) >= 3 or (varargs and len(positional) < 2) else "pair"
+    return "row" if "row" in params or len(required) >= 3 or (varargs and len(required) < 2) else "pair"
 
 
 def call(fn: Callable[..., Any], style: str, response: str, reference: str, row: dict | None) -> object:
@@ -100,7 +100,7 @@ def read_value(value: object, rule: ScoreRule) -> Value:
     was returned when it is none of those."""
     if isinstance(value, dict):
         return _read_dict(value, rule)
-    if _is_bool(value):
+    if is_bool(value):
         return Value(bool(value))
     score = _number(value, rule, "returned")
     return Value(score >= rule.correct_threshold, score if rule.graded else None)
@@ -113,7 +113,7 @@ def _read_dict(value: dict, rule: ScoreRule) -> Value:
     acc = value.get("acc")
     if acc is not None and _is_number_or_bool(acc):  # verl's verdict beside its score
         score = _number(value["score"], ScoreRule(True, rule.correct_threshold), "returned 'score'")
-        correct = bool(acc) if _is_bool(acc) else float(acc) >= rule.correct_threshold
+        correct = bool(acc) if is_bool(acc) else float(acc) >= rule.correct_threshold
         return Value(correct, score if rule.graded else None, parts)
     if isinstance(value["score"], dict):
         raise ValueError(f"returned a dict whose 'score' is a dict: {rule.contract()}")
@@ -122,7 +122,7 @@ def _read_dict(value: dict, rule: ScoreRule) -> Value:
 
 
 def _number(value: object, rule: ScoreRule, what: str) -> float:
-    if _is_bool(value):
+    if is_bool(value):
         return float(bool(value))
     in_range = rule.graded or (isinstance(value, numbers.Real) and 0 <= value <= 1)
     if isinstance(value, numbers.Real) and math.isfinite(value) and in_range:
@@ -132,18 +132,20 @@ def _number(value: object, rule: ScoreRule, what: str) -> float:
 
 
 def _part(name: object, value: object) -> float:
-    if not _finite(value) and not _is_bool(value):
+    if not _finite(value) and not is_bool(value):
         raise ValueError(f"returned the part {name!r} = {value!r}: a part is a finite number or a bool")
     return float(value)  # type: ignore[arg-type]
 
 
-def _is_bool(value: object) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
+def is_bool(value: object) -> bool:
+    """A bool, numpy's too (np.bool_, named "bool" under numpy 2; not a numbers.Real)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
 
 
 def _is_number_or_bool(value: object) -> bool:
-    return _is_bool(value) or isinstance(value, numbers.Real)
+    return is_bool(value) or isinstance(value, numbers.Real)
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not _is_bool(value) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not is_bool(value) and math.isfinite(value)

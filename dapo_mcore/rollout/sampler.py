@@ -76,6 +76,11 @@ class DynamicSamplingCapError(DapoError):
     pass
 
 
+# The default filter's name before graded rewards (a user's filter may call it).
+def correctness_spread(group: Group) -> bool:
+    return reward_spread(group)
+
+
 def reward_spread(group: Group) -> bool:
     """The default filter: the group's verifier rewards (before the length shaping) differ: 0 < accuracy < 1 for
     verdicts (paper eq. 11), any spread of graded scores."""
@@ -467,10 +472,10 @@ def _source_metrics(generated: list[GroupSummary]) -> dict[str, float]:
     metrics: dict[str, float] = {}
     by_source: dict[str, list] = {}
     for g in generated:
-        by_source.setdefault(g.prompt.data_source, []).extend(g.samples)
-    if any(by_source):  # not one unnamed source only
-        for source, samples in sorted(by_source.items()):
-            metrics[f"rollout/accuracy/{source or 'unnamed'}"] = accuracy(samples)
+        by_source.setdefault(g.prompt.source_label, []).extend(g.samples)
+    if any(g.prompt.data_source for g in generated):  # not one unnamed source only
+        for label, samples in sorted(by_source.items()):
+            metrics[f"rollout/accuracy/{label}"] = accuracy(samples)
     parts: dict[str, list[float]] = {}
     for g in generated:
         for s in g.samples:

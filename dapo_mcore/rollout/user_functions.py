@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dapo_mcore.data.types import Group
+from dapo_mcore.rewards.contract import is_bool
 from dapo_mcore.rewards.pool import Check, Verdict
 from dapo_mcore.utils.errors import DapoError, UserCodeError
 from dapo_mcore.utils.logging import get_logger
@@ -102,7 +103,7 @@ def kept_by(keep_filter: Callable[[Group], bool], group: Group) -> bool:
         raise
     except Exception as err:
         raise _user_code_error(FILTER_KEY, keep_filter, err, f"on the group of prompt {group.prompt.uid}") from err
-    if isinstance(keep, bool) or type(keep).__name__ == "bool_":  # numpy's too
+    if is_bool(keep):  # numpy's too
         return bool(keep)
     raise UserCodeError(
         f"{FILTER_KEY}={function_name(keep_filter)} returned {keep!r} ({type(keep).__name__}) on the group of prompt "

@@ -63,6 +63,7 @@ class AnsweredProblem:
                 "prompt": prompt_text,
                 "answer": completion.text,
                 "ground_truth": self.prompt.answer,
+                "data_source": self.prompt.data_source,
                 "extracted": extracted,
                 "correct": bool(verdict.correct),
                 "timed_out": bool(verdict.timed_out),
@@ -178,11 +179,10 @@ def by_source(label: str, prompts: list[Prompt], checked: Checked) -> dict[str, 
     """{label: checked} and, for a file whose rows name their data_source, {label[source]: that source's
     problems} beside it: the accuracy of each source of a mixed file."""
     out = {label: checked}
-    sources = sorted({p.data_source for p in prompts})
-    if sources == [""]:
+    if not any(p.data_source for p in prompts):
         return out
     correct, answers = checked
-    for source in sources:
-        rows = [i for i, p in enumerate(prompts) if p.data_source == source]
-        out[f"{label}[{source or 'unnamed'}]"] = ([correct[i] for i in rows], [answers[i] for i in rows])
+    for source in sorted({p.source_label for p in prompts}):
+        rows = [i for i, p in enumerate(prompts) if p.source_label == source]
+        out[f"{label}[{source}]"] = ([correct[i] for i in rows], [answers[i] for i in rows])
     return out

@@ -269,3 +269,20 @@ def test_check_says_the_loss_warnings_train_logs(tmp_path, capsys):
     assert "warning: algorithm.policy_loss=sapo with algorithm.loss_agg=token-mean" in text
     assert "warning: algorithm.mismatch.tis=sequence with rollout.sampling.max_response_len=8192" in text
     assert "tis=sequence_geometric" in text
+
+
+def test_reward_routing_is_a_mapping_whose_changes_on_resume_are_changes():
+    from dapo_mcore.config.loader import changes_the_experiment, config_changes, config_to_dict
+
+    routed = load_config(None, ["algorithm.reward.verifiers.gsm8k=gsm8k", "algorithm.reward.verifiers.math=dapo"])
+    assert routed.algorithm.reward.verifiers == {"gsm8k": "gsm8k", "math": "dapo"}
+    whole = load_config(None, ["algorithm.reward.verifiers.gsm8k=gsm8k", "algorithm.reward.verifiers=a=dapo,b=gsm8k"])
+    assert whole.algorithm.reward.verifiers == {"a": "dapo", "b": "gsm8k"}  # the a=x,b=y form is the whole mapping
+    plain = config_to_dict(load_config(None))
+    for old, new in ((config_to_dict(routed), plain), (plain, config_to_dict(routed))):  # a source dropped, added
+        changes = config_changes(old, new)
+        assert changes and all(changes_the_experiment(change) for change in changes), changes
+    demo = "examples/smoke_cpu.yaml"
+    with pytest.raises(ConfigError, match="correct_threshold"):
+        validate(load_config(demo, ["algorithm.reward.correct_threshold=2"]))
+    validate(load_config(demo, ["algorithm.reward.correct_threshold=2", "algorithm.reward.graded=true"]))

@@ -62,6 +62,9 @@ def test_each_published_layout_converts_from_parquet_and_jsonl(tmp_path, rows, w
     got = convert_file(path)
     assert [(r.prompt, r.answer) for r in got] == want
     assert [r.source for r in got] == [f"data.{fmt}:{i}" for i in range(1, len(want) + 1)]
+    if rows is DAPO_ROWS:  # verl's data_source (a row's verifier) is kept where the row has it
+        assert [r.carried for r in got] == [{"data_source": "math_dapo"}, {}]
+        assert json.loads(got[0].to_json())["data_source"] == "math_dapo"
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,20 @@ def test_the_signature_decides_the_call():
     assert seen == {"k": 1}
 
 
+def strict_flag(response, reference, strict=False):
+    return strict
+
+
+def test_an_optional_third_parameter_is_not_the_row_and_numpy_bools_are_bools():
+    import numpy as np
+
+    assert call_style(strict_flag) == "pair"  # the row would have gone into `strict`, truthy, without a word
+    for value in (np.True_, np.bool_(False)):
+        assert read_value(value, VERDICTS).correct is bool(value)
+    value = read_value({"score": -1.0, "acc": np.True_, "ok": np.False_}, VERDICTS)
+    assert value.correct and value.parts == {"acc": 1.0, "ok": 0.0}
+
+
 def test_a_verdict_number_is_thresholded_and_must_lie_in_0_1_unless_graded():
     assert read_value(True, VERDICTS).correct and read_value(True, VERDICTS).score is None
     assert read_value(0.5, VERDICTS).correct and not read_value(0.49, VERDICTS).correct
@@ -178,6 +192,7 @@ def test_per_source_accuracy_and_reward_parts_in_the_metrics_and_eval():
     assert metrics["rollout/accuracy/graded"] == 1.0 and metrics["rollout/accuracy/verdicts"] == 0.25
     assert metrics["reward_part/format"] == 0.75
     assert _source_metrics([group_of("")]) == {}  # one unnamed source: nothing beside rollout/accuracy
+    assert "rollout/accuracy/openai_gsm8k" in _source_metrics([group_of("openai/gsm8k")])  # one name segment
     prompts = [Prompt("q", "a", data_source=s) for s in ("x", "y", "x")]
     checked = ([[True], [False], [False]], [["1"], ["2"], ["3"]])
     assert by_source("file", prompts, checked) == {
