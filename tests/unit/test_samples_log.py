@@ -131,8 +131,8 @@ def test_saved_answers_are_one_row_per_answer_with_the_problems_file_and_row(tmp
     assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(2) for j in range(4)]
     assert rows[2] == {
         "file": "held.jsonl", "index": 0, "prompt_uid": "held.jsonl:1", "sample": 2, "prompt": "Q: p1",
-        "answer": "Answer: 6", "ground_truth": "5", "extracted": "6", "correct": False, "timed_out": False,
-        "response_len": 1, "finish_reason": "stop",
+        "answer": "Answer: 6", "ground_truth": "5", "data_source": "", "extracted": "6", "correct": False,
+        "timed_out": False, "response_len": 1, "finish_reason": "stop",
     }  # fmt: skip
     assert [r["correct"] for r in rows[:4]] == [True, True, False, False] and rows[7]["extracted"] == "2"
 
