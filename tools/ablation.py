@@ -2,7 +2,7 @@
 """Ablate DAPO on the CPU task: full DAPO, plain GRPO, and DAPO with each component removed, over seeds.
 
     python tools/ablation.py [--config examples/smoke_cpu.yaml] [--seeds 0 1 2] [--variants dapo grpo ...]
-                             [--target 0.6] [--runs-dir runs/ablation] [--out docs/ablation.md]
+                             [--target 0.6] [--runs-dir runs/ablation] [--out docs/ablation.md] [--plot PNG]
                              [--eval-file examples/data/sums.jsonl --eval-interval 10 --eval-k 16]
 
 Each (variant, seed) is one `dapo-mcore train` process (the variants are the override sets in
@@ -10,17 +10,22 @@ dapo_mcore/config/presets.py; the seed sets rollout.seed and data.seed). A run w
 holds every step is reused, so an interrupted ablation resumes. The results table and a plot are written
 between the markers <!-- ablation:begin --> and <!-- ablation:end --> of --out; the text around them is kept.
 
-Columns: steps until the 5-step moving average of accuracy first reaches --target; final accuracy and
-response length (mean of the last 5 steps); generated samples per trained sample (the cost of dynamic
-sampling). Each is the mean ± std over seeds. With --eval-file, each run also validates on that held-out
-file with its current weights (avg@k at the rollout's temperature and top-p, so no sampler's bookkeeping
-enters it) every --eval-interval steps and after the last; the table adds the mean of the last three.
+Columns: steps until the 5-step moving average of accuracy first reaches --target; final accuracy and response
+length (mean of the last 5 steps); generated samples per trained sample (the cost of dynamic sampling); where the
+runs log them, how often the clips acted (actor/clip_frac_high, _low, dual_clip_frac) and the entropy, as the mean
+over the run's steps, and the entropy of its last 5 steps. Each is the mean ± std over seeds. Each variant's held-
+out curve (by step, over seeds and per seed) follows the table. With --eval-file, each run also validates on that
+held-out file with its current weights (avg@k at the rollout's temperature and top-p, so no sampler's bookkeeping
+enters it) every --eval-interval steps and after the last; the table adds the mean of the last three. Without it,
+a recipe's own held-out files (data.eval_files) are read the same way, by its own verifier (not its
+trainer.eval_also_verifiers rules, nor the per-source rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -81,6 +86,25 @@ def run_one(config: str, variant: str, seed: int, runs_dir: Path, extra: list[st
     return run_dir
 
 
+# The actor's figures the table adds (each a mean over the run's steps) where the runs log them: how often
+# clip-higher's upper bound, the lower bound and the dual clip acted, and the policy's entropy.
+ACTOR_COLUMNS = {
+    "actor/clip_frac_high": "clip-high fraction",
+    "actor/clip_frac_low": "clip-low fraction",
+    "actor/dual_clip_frac": "dual-clip fraction",
+    "actor/entropy": "entropy",
+}
+
+
+def is_held_out(key: str) -> bool:
+    """eval/<file>/avg@k of the run's own verifier: not an also-rule's (eval/<file>:<rule>/...), nor a source's
+    (eval/<file>[<source>]/...)."""
+    if not key.startswith("eval/") or "/avg@" not in key:
+        return False
+    label = key.split("/")[1]
+    return ":" not in label and "[" not in label
+
+
 def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float | None]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     acc = [r["rollout/accuracy"] for r in rows if "rollout/accuracy" in r]
@@ -94,9 +118,13 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
             total += r.get("rollout/generated_samples", 0.0)
             cumulative.append(total)
     trained = sum(r.get("dynamic_sampling/kept_groups", 0) * group_size for r in rows)
-    held_out = [v for r in rows for k, v in r.items() if k.startswith("eval/") and "/avg@" in k]
-    held_out_steps = [r["step"] for r in rows for k in r if k.startswith("eval/") and "/avg@" in k]
+    held_out = [v for r in rows for k, v in r.items() if is_held_out(k)]
+    held_out_steps = [r["step"] for r in rows for k in r if is_held_out(k)]
+    actor = {key: [r[key] for r in rows if key in r] for key in ACTOR_COLUMNS}
     return {
+        **{key: statistics.mean(values) if values else None for key, values in actor.items()},
+        "entropy": actor["actor/entropy"],
+        "final_entropy": statistics.mean(actor["actor/entropy"][-WINDOW:]) if actor["actor/entropy"] else None,
         "held_out": held_out,
         "held_out_steps": held_out_steps,
         "held_out_accuracy": statistics.mean(held_out[-HELD_OUT_EVALS:]) if held_out else None,
@@ -107,6 +135,9 @@ def summarize(run_dir: Path, target: float, group_size: int) -> dict[str, float 
         "accuracy": acc,
         "generated": cumulative,
         "length": lengths,
+        # by step: a step that trained only groups carried over from the one before generated nothing
+        "accuracy_by_step": {r["step"]: r["rollout/accuracy"] for r in rows if "rollout/accuracy" in r},
+        "length_by_step": {r["step"]: r["rollout/response_len_mean"] for r in rows if "rollout/response_len_mean" in r},
     }
 
 
@@ -124,6 +155,11 @@ def mean_std(values: list[float | None], fmt: str) -> str:
 def table(results: dict[str, list[dict]], target: float) -> str:
     held_out = any(r["held_out_accuracy"] is not None for runs in results.values() for r in runs)
     extra_head, extra_rule = (" held-out accuracy, last 3 evals |", "---|") if held_out else ("", "")
+    actor = [key for key in ACTOR_COLUMNS if any(r[key] is not None for rs in results.values() for r in rs)]
+    extra_head += "".join(f" {ACTOR_COLUMNS[key]} (mean of steps) |" for key in actor)
+    extra_rule += "---|" * len(actor)
+    if "actor/entropy" in actor:
+        extra_head, extra_rule = extra_head + " entropy, last 5 steps |", extra_rule + "---|"
     lines = [
         f"| variant | steps to accuracy {target} | final accuracy | final length | generated / trained |{extra_head}",
         f"|---|---|---|---|---|{extra_rule}",
@@ -137,7 +173,26 @@ def table(results: dict[str, list[dict]], target: float) -> str:
         )
         if held_out:
             row += f" {mean_std([r['held_out_accuracy'] for r in runs], '{:.3f}')} |"
+        row += "".join(f" {mean_std([r[key] for r in runs], '{:.4f}')} |" for key in actor)
+        if "actor/entropy" in actor:
+            row += f" {mean_std([r['final_entropy'] for r in runs], '{:.3f}')} |"
         lines.append(row)
+    return "\n".join(lines)
+
+
+def held_out_curves(results: dict[str, list[dict]]) -> str:
+    """Each variant's held-out accuracy at each evaluation, the mean over seeds (and each seed's)."""
+    lines = []
+    for variant, runs in results.items():
+        evals = min(len(r["held_out"]) for r in runs)
+        if not evals:
+            continue
+        points = []
+        for i in range(evals):
+            each = ", ".join(f"{r['held_out'][i]:.3f}" for r in runs)
+            points.append(f"{runs[0]['held_out_steps'][i]}: {statistics.mean(r['held_out'][i] for r in runs):.3f} "
+                          f"({each})")  # fmt: skip
+        lines.append(f"- {variant}, held-out accuracy by step (mean over seeds, then each seed): {'; '.join(points)}")
     return "\n".join(lines)
 
 
@@ -148,13 +203,16 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     held_out = all(r["held_out"] for runs in results.values() for r in runs)
-    fig, axes = plt.subplots(1, 4 if held_out else 3, figsize=(21 if held_out else 16, 4.2))
+    entropy = all(r["entropy"] for runs in results.values() for r in runs)
+    panels = 3 + held_out + entropy
+    fig, axes = plt.subplots(1, panels, figsize=(5.3 * panels, 4.2))
     for variant, runs in results.items():
         width = 2 if variant in ("dapo", "grpo") else 1
+        for ax, key in zip(axes, ("accuracy_by_step", "length_by_step")):
+            steps = sorted({step for r in runs for step in r[key]})  # step N: N updates done
+            mean = [statistics.mean(r[key][step] for r in runs if step in r[key]) for step in steps]
+            ax.plot(steps, mean, label=variant, linewidth=width)
         steps = min(len(r["accuracy"]) for r in runs)
-        for ax, key in zip(axes, ("accuracy", "length")):
-            mean = [statistics.mean(r[key][i] for r in runs) for i in range(steps)]
-            ax.plot(range(1, steps + 1), mean, label=variant, linewidth=width)  # step N: N updates done
         generated = [statistics.mean(r["generated"][i] for r in runs) for i in range(steps)]
         accuracy = [statistics.mean(r["accuracy"][i] for r in runs) for i in range(steps)]
         axes[2].plot(generated, accuracy, label=variant, linewidth=width)
@@ -162,12 +220,18 @@ def plot(results: dict[str, list[dict]], png: Path) -> None:
             evals = min(len(r["held_out"]) for r in runs)
             mean = [statistics.mean(r["held_out"][i] for r in runs) for i in range(evals)]
             axes[3].plot(runs[0]["held_out_steps"][:evals], mean, label=variant, linewidth=width, marker="o")
+        if entropy:
+            steps = min(len(r["entropy"]) for r in runs)
+            mean = [statistics.mean(r["entropy"][i] for r in runs) for i in range(steps)]
+            axes[-1].plot(range(1, steps + 1), mean, label=variant, linewidth=width)
     axes[0].set_title("accuracy (mean over seeds)")
     axes[1].set_title("mean response length (tokens)")
     axes[2].set_title("accuracy vs samples generated (the same cost)")
     if held_out:
         axes[3].set_title("held-out accuracy, current weights (mean over seeds)")
-    for ax, xlabel in zip(axes, ("RL step", "RL step", "responses generated so far", "RL step")):
+    if entropy:
+        axes[-1].set_title("policy entropy, nats per token (mean over seeds)")
+    for ax, xlabel in zip(axes, ("RL step", "RL step", "responses generated so far", "RL step", "RL step")):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -184,6 +248,18 @@ def write_section(out: Path, section: str) -> None:
     out.write_text(f"{head}{BEGIN}\n{section}\n{END}{rest.split(END, 1)[1]}")
 
 
+def command_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options that made this table, those left at their defaults aside (a command to run it again)."""
+    options = []
+    for action in ap._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or value == action.default:
+            continue
+        shown = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        options.append(f"{action.option_strings[0]} {shown}")
+    return options
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="examples/smoke_cpu.yaml")
@@ -192,6 +268,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.6)
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/ablation"))
     ap.add_argument("--out", type=Path, default=Path("docs/ablation.md"))
+    ap.add_argument("--plot", type=Path, help="the figure (default: beside --out, its name with .png)")
     ap.add_argument("--eval-file", help="held-out .jsonl validated with each run's current weights")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-k", type=int, default=16)
@@ -202,15 +279,14 @@ def main() -> None:
         v: [summarize(run_one(args.config, v, s, args.runs_dir, extra), args.target, group_size) for s in args.seeds]
         for v in args.variants
     }
-    png = args.out.with_name(args.out.stem + ".png")
+    png = args.plot or args.out.with_name(args.out.stem + ".png")
     plot(results, png)
-    eval_args = f" --eval-file {args.eval_file} --eval-interval {args.eval_interval} --eval-k {args.eval_k}"
+    curves = held_out_curves(results)
     section = (
-        f"Command: `python tools/ablation.py --config {args.config} --seeds {' '.join(map(str, args.seeds))}"
-        f"{'' if args.variants == list(ABLATIONS) else ' --variants ' + ' '.join(args.variants)}"
-        f"{eval_args if extra else ''}` "
+        f"Command: `python tools/ablation.py {' '.join(command_options(ap, args))}` "
         f"on {platform.machine()} ({platform.processor() or 'CPU'}), {time.strftime('%Y-%m-%d')}.\n\n"
-        f"{table(results, args.target)}\n\n![accuracy and length by variant]({png.name})"
+        f"{table(results, args.target)}\n\n{curves + chr(10) + chr(10) if curves else ''}"
+        f"![accuracy and length by variant]({os.path.relpath(png, args.out.parent)})"
     )
     write_section(args.out, section)
     print(table(results, args.target))
