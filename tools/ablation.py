@@ -13,11 +13,11 @@ between the markers <!-- ablation:begin --> and <!-- ablation:end --> of --out; 
 Columns: steps until the 5-step moving average of accuracy first reaches --target; final accuracy and response
 length (mean of the last 5 steps); generated samples per trained sample (the cost of dynamic sampling); where the
 runs log them, how often the clips acted (actor/clip_frac_high, _low, dual_clip_frac) and the entropy, as the mean
-over the run's steps, and the entropy of its last 5 steps. Each is the mean ± std over seeds. Each variant's held-
-out curve (by step, over seeds and per seed) follows the table. With --eval-file, each run also validates on that
-held-out file with its current weights (avg@k at the rollout's temperature and top-p, so no sampler's bookkeeping
-enters it) every --eval-interval steps and after the last; the table adds the mean of the last three. Without it,
-a recipe's own held-out files (data.eval_files) are read the same way, by its own verifier (not its
+over the run's steps, and the entropy of its last 5 steps. Each is the mean ± std over seeds. Each variant's
+held-out curve (by step, over seeds and per seed) follows the table. With --eval-file, each run also validates on
+that held-out file with its current weights (avg@k at the rollout's temperature and top-p, so no sampler's
+bookkeeping enters it) every --eval-interval steps and after the last; the table adds the mean of the last three.
+Without it, a recipe's own held-out files (data.eval_files) are read the same way, by its own verifier (not its
 trainer.eval_also_verifiers rules, nor the per-source rows).
 """
 
