@@ -193,6 +193,10 @@ class RolloutSampler:
         cfg = self.settings
         if cfg.mode == "dynamic_batch":
             return cfg.prompts_per_step
+        if not cfg.dynamic_sampling:
+            # nothing is filtered: a round of what the step still needs (GRPO's step). A larger round only left
+            # groups over, trained a step later by weights four updates newer (carry_surplus).
+            return cfg.prompts_per_step - n_kept
         if not cfg.adaptive:
             return cfg.gen_prompts_per_round
         return self.keep_rate.round_size(

@@ -128,6 +128,17 @@ def test_disabled_dynamic_sampling_keeps_uninformative_groups():
     assert len(batch.groups) == 8 and all(smp.advantage == 0 for g in batch.groups for smp in g.samples)
 
 
+def test_without_dynamic_sampling_a_round_is_the_step_and_nothing_is_left_over():
+    """GRPO's step: every group is kept, so a round of gen_prompts_per_round > prompts_per_step only left groups over
+    that trained a step later (carry_surplus), half the steps generating nothing."""
+    s, engine, _ = sampler(half_right, dynamic_sampling=False, prompts_per_step=6, gen_prompts_per_round=16,
+                           carry_surplus=True)  # fmt: skip
+    for step in range(2):
+        batch = s.next_batch(step, PhaseTimer())
+        assert len(batch.groups) == 6 and batch.metrics["dynamic_sampling/carried_groups"] == 0
+    assert engine.calls == [6, 6] and s.carry == []
+
+
 def test_a_custom_filter_decides_what_is_kept():
     s, _, _ = sampler(half_right, keep_filter=keep_even_sums, prompts_per_step=4)
     assert all(int(g.prompt.answer) % 2 == 0 for g in s.next_batch(0, PhaseTimer()).groups)
