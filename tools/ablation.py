@@ -173,7 +173,11 @@ def table(results: dict[str, list[dict]], target: float) -> str:
         )
         if held_out:
             row += f" {mean_std([r['held_out_accuracy'] for r in runs], '{:.3f}')} |"
-        row += "".join(f" {mean_std([r[key] for r in runs], '{:.4f}')} |" for key in actor)
+        # a figure a variant does not log (the dual clip, switched off) is "off", not "never"
+        row += "".join(
+            f" {mean_std([r[key] for r in runs], '{:.4f}') if any(r[key] is not None for r in runs) else 'off'} |"
+            for key in actor
+        )
         if "actor/entropy" in actor:
             row += f" {mean_std([r['final_entropy'] for r in runs], '{:.3f}')} |"
         lines.append(row)
