@@ -193,9 +193,10 @@ class RolloutSampler:
         cfg = self.settings
         if cfg.mode == "dynamic_batch":
             return cfg.prompts_per_step
-        if not cfg.dynamic_sampling:
+        if not cfg.dynamic_sampling and not cfg.partial_rollout:
             # nothing is filtered: a round of what the step still needs (GRPO's step). A larger round only left
-            # groups over, trained a step later by weights four updates newer (carry_surplus).
+            # groups over, trained a step later by weights four updates newer (carry_surplus). Partial rollout
+            # keeps its round (answers in flight beyond the step's: rollout.partial_oversample).
             return cfg.prompts_per_step - n_kept
         if not cfg.adaptive:
             return cfg.gen_prompts_per_round
