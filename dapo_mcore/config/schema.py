@@ -158,7 +158,7 @@ class RolloutConfig:
     # Groups (prompts) in the training batch of one RL step, after dynamic sampling (paper: 512).
     prompts_per_step: int = 512
     # Prompts sent to the engines per generation round (paper's script: 3x prompts_per_step). Without dynamic
-    # sampling (nothing filtered) a round is what the step still needs, prompts_per_step at most.
+    # sampling (nothing filtered) a synchronous round is what the step still needs, prompts_per_step at most.
     gen_prompts_per_round: int = 1536
     # Kept groups beyond prompts_per_step: false drops them, as the DAPO authors' code does (verl's
     # recipe/dapo trainer cuts the batch to train_batch_size x n); true trains them at the next step, which
